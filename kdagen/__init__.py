@@ -1,0 +1,10 @@
+"""kdagen: autotuning and code generation for KDA speculative verify/commit kernels."""
+
+__version__ = "0.1.0"
+
+
+def commit(*args, **kwargs):  # noqa: ANN002, ANN003 - forwards to the run-time API
+    """See ``kdagen.runtime.commit`` (imported lazily: the CLI need not load torch)."""
+    from kdagen.runtime import commit as run
+
+    return run(*args, **kwargs)

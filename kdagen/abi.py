@@ -1,0 +1,108 @@
+"""The host-call signature each kernel template implements, in one place.
+
+Kernels take raw pointers plus sizes and strides (not DLPack tensors): the run-time API
+validates the torch tensors itself and passes what the kernel needs, and a GPU-less compile
+passes the same parameter list with null pointers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kdagen.variant import Variant
+
+
+@dataclass(frozen=True)
+class Param:
+    """One argument of a kernel's ``__call__``: a pointer, a scalar or the stream."""
+
+    name: str
+    kind: str  # "ptr", "i32", "i64", "f32" or "stream"
+    dtype: str = ""  # element type of a pointer: bf16, fp32, int32, int64
+    align: int = 4  # bytes the kernel assumes the pointer is aligned to
+
+
+def commit_params(variant: Variant) -> tuple[Param, ...]:
+    return (
+        Param("state", "ptr", "bf16", 16),
+        Param("corr", "ptr", "fp32", 16),
+        Param("kg", "ptr", "bf16", 16),
+        Param("a_log", "ptr", "fp32", 4),
+        Param("dt_bias", "ptr", "fp32", 4),
+        Param("slots", "ptr", variant.slot_dtype, 4),
+        Param("accepted", "ptr", "int32", 4),
+        Param("batch", "i32"),
+        Param("slot_count", "i32"),
+        Param("slot_stride", "i64"),
+        Param("lower_bound", "f32"),
+        Param("null_slot", "i64"),
+        Param("stream", "stream"),
+    )
+
+
+def params(variant: Variant) -> tuple[Param, ...]:
+    if variant.kernel == "commit":
+        return commit_params(variant)
+    raise NotImplementedError(f"no host signature for kernel {variant.kernel!r} yet")
+
+
+def _cutlass_dtype(name: str) -> Any:
+    import cutlass
+
+    return {
+        "bf16": cutlass.BFloat16,
+        "fp32": cutlass.Float32,
+        "int32": cutlass.Int32,
+        "int64": cutlass.Int64,
+    }[name]
+
+
+def _scalar(kind: str, value: Any) -> Any:
+    import cutlass
+
+    return {"i32": cutlass.Int32, "i64": cutlass.Int64, "f32": cutlass.Float32}[kind](value)
+
+
+def placeholder_args(variant: Variant) -> list[Any]:
+    """Arguments for a GPU-less compile: null pointers, zero scalars, a fake stream."""
+    from cutlass.cute import AddressSpace
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    args: list[Any] = []
+    for p in params(variant):
+        if p.kind == "ptr":
+            args.append(
+                make_ptr(_cutlass_dtype(p.dtype), 0, AddressSpace.gmem, assumed_align=p.align)
+            )
+        elif p.kind == "stream":
+            args.append(make_fake_stream())
+        else:
+            args.append(_scalar(p.kind, 0))
+    return args
+
+
+def launch_args(variant: Variant, values: dict[str, Any]) -> list[Any]:
+    """Arguments for a launch: ``values`` maps each parameter name to a tensor, a number or,
+    for the stream, a torch stream."""
+    import cuda.bindings.driver as cuda
+    from cutlass.cute import AddressSpace
+    from cutlass.cute.runtime import make_ptr
+
+    args: list[Any] = []
+    for p in params(variant):
+        value = values[p.name]
+        if p.kind == "ptr":
+            args.append(
+                make_ptr(
+                    _cutlass_dtype(p.dtype),
+                    value.data_ptr(),
+                    AddressSpace.gmem,
+                    assumed_align=p.align,
+                )
+            )
+        elif p.kind == "stream":
+            args.append(cuda.CUstream(value.cuda_stream))
+        else:
+            args.append(_scalar(p.kind, value))
+    return args

@@ -1,0 +1,100 @@
+"""Random commit inputs for checks and benchmarks: realistic values, never zeros.
+
+Each case is a plain dict of the tensors and scalars ``kdagen.runtime.commit`` takes, built
+on any device from a seed. Edge cases are switches, so the check can name what it covered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+K = 128
+POOL_PAD = 512  # elements of padding after each slot, as in a vLLM cache page
+
+
+@dataclass(frozen=True)
+class CommitCase:
+    """What a commit case exercises."""
+
+    name: str
+    batch: int
+    null_fraction: float = 0.0  # requests on the null slot
+    zero_accept_fraction: float = 0.0  # live requests with accepted == 0
+    full_accept: bool = False  # every request accepts the whole window (the benchmark case)
+    null_slot: int = 0
+    extra_rows: int = 3  # corr/kg rows beyond B (vLLM sizes them for the max batch)
+
+
+CHECK_CASES = (
+    CommitCase("random", 48),
+    CommitCase("single", 1),
+    CommitCase("edges", 37, null_fraction=0.25, zero_accept_fraction=0.2),
+    CommitCase("pad-slot-1", 9, null_fraction=0.3, null_slot=-1),
+    CommitCase("full-window", 70, full_accept=True),
+)
+
+
+def make_commit_inputs(
+    case: CommitCase,
+    heads: int,
+    window: int,
+    slot_dtype: torch.dtype = torch.int32,
+    seed: int = 0,
+    device: str | torch.device = "cuda",
+) -> dict[str, object]:
+    """Inputs for ``commit``: a padded-stride bf16 pool with more slots than requests, slots a
+    random permutation (out of order), rows t >= accepted of corr/kg poisoned with NaN (the
+    kernel must not read them)."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)  # drawn where used: fast for big pools
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=dev) * std
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=g, device=dev)
+
+    b = case.batch
+    slots_total = b + 4 + max(0, case.null_slot)
+    pool = randn(slots_total, heads * K * K + POOL_PAD, std=0.1).bfloat16()
+    state = pool[:, : heads * K * K].view(slots_total, heads, K, K)
+    first = 1 if case.null_slot >= 0 else 0  # slot 0 is the null slot in vLLM
+    order = torch.randperm(slots_total - first, generator=g, device=dev)
+    slots = (order[:b] + first).to(slot_dtype)
+    if case.null_fraction:
+        slots[rand(b) < case.null_fraction] = case.null_slot
+    if case.full_accept:
+        accepted = torch.full((b,), window, dtype=torch.int32, device=dev)
+    else:
+        accepted = torch.randint(1, window + 1, (b,), generator=g, device=dev, dtype=torch.int32)
+        if case.zero_accept_fraction:
+            accepted[rand(b) < case.zero_accept_fraction] = 0
+    rows = b + case.extra_rows
+    corr = randn(rows, heads, window, K)
+    kg = torch.cat([randn(rows, heads, window, K), randn(rows, heads, window, K, std=1.5)], -1)
+    kg = kg.bfloat16()
+    # Rows t >= accepted (and the spare rows) were never written by verify: poison them.
+    spare = torch.zeros(case.extra_rows, dtype=torch.int32, device=dev)
+    row_accepted = torch.cat([accepted, spare])
+    unused = torch.arange(window, device=dev)[None, :] >= row_accepted[:, None]  # [rows, Q]
+    corr[unused[:, None, :, None].expand_as(corr)] = float("nan")
+    kg[unused[:, None, :, None].expand_as(kg)] = float("nan")
+    return {
+        "state": state,
+        "corr": corr,
+        "kg": kg,
+        "a_log": rand(heads) * 2 - 1,
+        "dt_bias": randn(heads * K, std=0.5),
+        "slots": slots,
+        "accepted": accepted,
+        "lower_bound": -5.0,
+        "null_slot": case.null_slot,
+    }
+
+
+def pool_of(state: torch.Tensor) -> torch.Tensor:
+    """The whole padded pool behind a state view (to check the padding is untouched)."""
+    slots_total = state.shape[0]
+    return torch.as_strided(state, (slots_total, state.stride(0)), (state.stride(0), 1))

@@ -1,0 +1,109 @@
+"""Correctness on the GPU: every variant against the fp64 reference, edge cases included.
+
+For commit: the kernel updates a bf16 pool in place; the reference folds the same inputs
+into an fp64 copy. Touched (slot, head) blocks must match within bf16 rounding; every other
+byte of the pool, the padding after each slot included, must be bit-identical to before.
+Rows of corr/kg that the contract says are unwritten hold NaN, so reading them shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdagen import reference
+from kdagen.cases import CHECK_CASES, CommitCase, make_commit_inputs, pool_of
+from kdagen.variant import Variant
+
+# bf16 output: half an ulp is 2^-9 relative; allow a few ulps for fp32 math and fast exp.
+COMMIT_MAX_REL = 8e-3  # max |kernel - ref| / (|ref| + 1e-2 * rms(ref)) over touched elements
+COMMIT_REL_L2 = 3e-3  # ||kernel - ref|| / ||ref|| over touched elements
+
+
+@dataclass
+class CaseResult:
+    variant: str
+    case: str
+    max_abs: float
+    max_rel: float
+    rel_l2: float
+    untouched_ok: bool
+    deterministic: bool
+    error: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return (
+            not self.error
+            and self.untouched_ok
+            and self.deterministic
+            and self.max_rel <= COMMIT_MAX_REL
+            and self.rel_l2 <= COMMIT_REL_L2
+        )
+
+
+def touched_mask(inputs: dict[str, object]) -> torch.Tensor:
+    """[slots] bool: slots the contract lets commit write (live request, accepted > 0)."""
+    state, slots, accepted = inputs["state"], inputs["slots"], inputs["accepted"]
+    assert isinstance(state, torch.Tensor) and isinstance(slots, torch.Tensor)
+    assert isinstance(accepted, torch.Tensor)
+    live = (slots.long() > int(inputs["null_slot"])) & (accepted > 0)  # type: ignore[arg-type]
+    mask = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
+    mask[slots.long()[live]] = True
+    return mask
+
+
+def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult:
+    from kdagen.runtime import commit
+
+    slot_dtype = torch.int32 if variant.slot_dtype == "int32" else torch.int64
+    inputs = make_commit_inputs(case, variant.heads, variant.window, slot_dtype, seed)
+    state = inputs["state"]
+    assert isinstance(state, torch.Tensor)
+    before = pool_of(state).clone()
+    expected = state.double()  # compact fp64 copy; the reference writes it in place
+    ref_inputs = dict(inputs, state=expected)
+    reference.commit(**ref_inputs, compute_dtype=torch.float64)  # type: ignore[arg-type]
+
+    result = CaseResult(variant.name, case.name, 0.0, 0.0, 0.0, True, True)
+    try:
+        commit(**inputs, variant=variant)  # type: ignore[arg-type]
+        torch.cuda.synchronize()
+        first = pool_of(state).clone()
+        pool_of(state).copy_(before)  # again from the same start: bit-identical?
+        commit(**inputs, variant=variant)  # type: ignore[arg-type]
+        torch.cuda.synchronize()
+    except Exception as err:  # a launch error is a failed check, not a crash of the run
+        result.error = f"{type(err).__name__}: {err}"[:300]
+        return result
+    after = pool_of(state)
+    result.deterministic = bool(torch.equal(first.view(torch.int16), after.view(torch.int16)))
+
+    touched = touched_mask(inputs)
+    width = state.shape[1] * state.shape[2] * state.shape[3]
+    pad_region = after[:, width:]
+    result.untouched_ok = bool(
+        torch.equal(after[~touched].view(torch.int16), before[~touched].view(torch.int16))
+        and torch.equal(pad_region.view(torch.int16), before[:, width:].view(torch.int16))
+    )
+    if touched.any():
+        got = state[touched].double()
+        want = expected[touched]
+        diff = (got - want).abs()
+        scale = want.pow(2).mean().sqrt()
+        result.max_abs = float(diff.max())
+        result.max_rel = float((diff / (want.abs() + 1e-2 * scale)).max())
+        result.rel_l2 = float(diff.norm() / want.norm())
+    return result
+
+
+def check_commit(variant: Variant, seed: int = 0) -> list[CaseResult]:
+    """All commit check cases, each on fresh random inputs (the seed moves per case)."""
+    return [run_commit_case(variant, case, seed + i) for i, case in enumerate(CHECK_CASES)]
+
+
+def check_variant(variant: Variant, seed: int = 0) -> list[CaseResult]:
+    if variant.kernel == "commit":
+        return check_commit(variant, seed)
+    raise NotImplementedError(f"no GPU check for kernel {variant.kernel!r} yet")

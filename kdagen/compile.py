@@ -1,0 +1,239 @@
+"""Variant -> compiled kernel, for any arch, with or without a GPU, cached on disk.
+
+The cache is keyed by the variant digest (rendered source + DSL version) and the arch:
+``<cache>/<digest>/kernel.py`` is the rendered module (tracebacks point at it) and
+``<cache>/<digest>/<arch>/`` holds ``record.json``, the PTX, the cubin and an exported
+object (``kernel.o``) that a later process loads instead of compiling again.
+A failing compile is a result (``status == "error"`` with its message), never an exception.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import ctypes
+import functools
+import dataclasses
+import importlib.util
+import json
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kdagen.render import digest, render
+from kdagen.variant import Variant
+
+ARCHS = ("sm_90a", "sm_100a")
+_KERNEL_CLASSES = {"commit": "KdaCommit", "verify": "KdaVerify"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KDAGEN_CACHE", Path.home() / ".cache" / "kdagen"))
+
+
+@dataclass
+class CompileRecord:
+    """What one (variant, arch) compile gave; JSON-serialisable."""
+
+    variant: str
+    arch: str
+    digest: str
+    status: str  # "ok" or "error"
+    seconds: float
+    registers: int | None = None
+    frame_bytes: int | None = None  # stack frame: non-zero means spills or local arrays
+    smem_bytes: int | None = None  # shared memory per CTA (static + what the kernel allocates)
+    error: str | None = None
+    cached: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def variant_dir(variant: Variant, root: Path | None = None) -> Path:
+    return (root or cache_root()) / digest(variant)
+
+
+def write_module(variant: Variant, root: Path | None = None) -> Path:
+    """The rendered module on disk (written once per digest)."""
+    path = variant_dir(variant, root) / "kernel.py"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(render(variant))
+        tmp.replace(path)
+    return path
+
+
+def load_module(variant: Variant, root: Path | None = None) -> ModuleType:
+    path = write_module(variant, root)
+    name = f"kdagen_kernel_{digest(variant)}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_object(variant: Variant, root: Path | None = None) -> Any:
+    return getattr(load_module(variant, root), _KERNEL_CLASSES[variant.kernel])()
+
+
+def compile_options(arch: str, dump_dir: Path | None = None) -> str:
+    options = f"--gpu-arch {arch}"
+    if dump_dir is not None:
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    return options
+
+
+def compile_variant(
+    variant: Variant, arch: str, root: Path | None = None, force: bool = False
+) -> CompileRecord:
+    """Compile without a GPU (placeholder arguments); reuse the cached record when present."""
+    out_dir = variant_dir(variant, root) / arch
+    record_path = out_dir / "record.json"
+    if record_path.exists() and not force:
+        record = CompileRecord(**json.loads(record_path.read_text()))
+        record.cached = True
+        return record
+    started = time.perf_counter()
+    try:
+        compiled = _compile(variant, arch, out_dir, root)
+        record = CompileRecord(variant.name, arch, digest(variant), "ok", 0.0)
+        _add_resources(record, out_dir)
+        record.smem_bytes = (record.smem_bytes or 0) + getattr(
+            load_module(variant, root), "SHARED_BYTES", 0
+        )
+        _load_runtime_library()
+        compiled.export_to_c(str(out_dir), "kernel", export_symbol(variant))
+    except Exception as err:  # a compile error is a result, reported with the others
+        record = CompileRecord(
+            variant.name, arch, digest(variant), "error", 0.0, error=_short_error(err)
+        )
+    record.seconds = round(time.perf_counter() - started, 2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record_path.write_text(json.dumps(dataclasses.asdict(record) | {"cached": False}, indent=1))
+    return record
+
+
+@functools.cache
+def _load_runtime_library() -> None:
+    """Exporting resolves CUDA runtime symbols; a GPU-less process has not loaded them."""
+    from cutlass.cute.runtime import find_runtime_libraries
+
+    for path in find_runtime_libraries(enable_tvm_ffi=False):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def export_symbol(variant: Variant) -> str:
+    return f"kdagen_{digest(variant)}"
+
+
+def _compile(variant: Variant, arch: str, out_dir: Path, root: Path | None) -> Any:
+    import cutlass.cute as cute
+
+    from kdagen.abi import placeholder_args
+
+    dump = out_dir / "dump"
+    dump.mkdir(parents=True, exist_ok=True)
+    compiled = cute.compile(
+        kernel_object(variant, root),
+        *placeholder_args(variant),
+        options=compile_options(arch, dump),
+    )
+    for suffix, name in ((".ptx", "kernel.ptx"), (".cubin", "kernel.cubin")):
+        found = sorted(dump.glob(f"*{suffix}"))
+        if found:
+            found[-1].replace(out_dir / name)
+    for leftover in dump.iterdir():
+        leftover.unlink()
+    dump.rmdir()
+    return compiled
+
+
+def _add_resources(record: CompileRecord, out_dir: Path) -> None:
+    from kdagen.cubin import kernel_resources
+
+    cubin = out_dir / "kernel.cubin"
+    if cubin.exists():
+        res = kernel_resources(cubin.read_bytes())
+        record.registers, record.frame_bytes = res.registers, res.frame_bytes
+        record.smem_bytes = res.static_smem_bytes
+
+
+def _short_error(err: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(err), err)).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(lines[-12:])
+
+
+# ---- many variants in worker processes ----
+
+
+def _worker_init(arch: str) -> None:
+    # Arch-checked ops (wgmma, tcgen05) read the target at import time on a GPU-less host.
+    os.environ["CUTE_DSL_ARCH"] = arch
+
+
+def _worker_compile(name: str, arch: str, root: str | None, force: bool) -> CompileRecord:
+    return compile_variant(Variant.parse(name), arch, Path(root) if root else None, force)
+
+
+def compile_many(
+    variants: Sequence[Variant],
+    archs: Iterable[str],
+    jobs: int = 0,
+    root: Path | None = None,
+    force: bool = False,
+    on_result: Callable[[CompileRecord], None] | None = None,
+) -> list[CompileRecord]:
+    """Compile every (variant, arch) in ``jobs`` spawned worker processes (0: one per CPU).
+
+    Spawned, not forked: the DSL's MLIR context does not survive a fork. A worker that dies
+    (a crash in the compiler) turns into an error record for its variant.
+    """
+    jobs = jobs or os.cpu_count() or 1
+    records: list[CompileRecord] = []
+    context = multiprocessing.get_context("spawn")
+    for arch in archs:
+        supported = [v for v in variants if arch in v.spec.archs]
+        for v in variants:
+            if arch not in v.spec.archs:
+                records.append(
+                    CompileRecord(v.name, arch, digest(v), "error", 0.0,
+                                  error=f"path {v.path!r} does not target {arch}")
+                )  # fmt: skip
+        with futures.ProcessPoolExecutor(
+            max_workers=min(jobs, max(1, len(supported))),
+            mp_context=context,
+            initializer=_worker_init,
+            initargs=(arch,),
+        ) as pool:
+            pending = {
+                pool.submit(_worker_compile, v.name, arch, str(root) if root else None, force): v
+                for v in supported
+            }
+            for done in futures.as_completed(pending):
+                v = pending[done]
+                try:
+                    record = done.result()
+                except Exception as err:  # the worker itself died
+                    record = CompileRecord(
+                        v.name, arch, digest(v), "error", 0.0, error=f"worker died: {err!r}"
+                    )
+                records.append(record)
+                if on_result:
+                    on_result(record)
+    order = {v.name: i for i, v in enumerate(variants)}
+    records.sort(key=lambda r: (order.get(r.variant, 0), r.arch))
+    return records

@@ -1,0 +1,536 @@
+"""Reference KDA speculative verify and commit in plain torch (no Triton, any device).
+
+Every generated kernel is checked against this module, so it follows the contract in
+``shared/docs/kda-verify-semantics.md`` literally: the same rounding points where the contract
+fixes them (the convolution, which feeds the bit-exact ``kg`` record), ``compute_dtype``
+everywhere else, and writes to exactly the elements a kernel may write. Computation is
+vectorised over requests and heads; the only Python loops run over the window (Q <= 8) and the
+four convolution taps.
+
+Layout reminders (K = V = 128): ``state[slot, h]`` is V x K (row v contiguous in K),
+``qkv`` channel ``x*H*K + h*K + c`` for x in (q, k, v), request b owns tokens
+``[query_start[b], query_start[b+1])`` and rows ``b`` of ``corr`` / ``kg``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+K = 128  # head dim
+V = K  # value dim
+CONV_WIDTH = 4  # taps of the short convolution; the history holds CONV_WIDTH - 1 tokens
+NORM_EPS = 1e-6  # added to the sum of squares before the square root
+
+__all__ = [
+    "CONV_WIDTH",
+    "K",
+    "NORM_EPS",
+    "V",
+    "Requests",
+    "commit",
+    "conv_window_outputs",
+    "fma_f32",
+    "fold_accepted",
+    "gate",
+    "l2_normalise",
+    "request_layout",
+    "silu_f32",
+    "solve_window",
+    "verify",
+]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _fail(name: str, what: str, expected: object, actual: object) -> None:
+    raise ValueError(f"{name}: expected {what} {expected}, got {actual}")
+
+
+def _check_shape(name: str, t: Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        _fail(name, "shape", tuple(expected), tuple(t.shape))
+
+
+def _check_dtype(name: str, t: Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        _fail(name, "dtype in", allowed, t.dtype)
+
+
+def _check_float(name: str, t: Tensor) -> None:
+    if not t.is_floating_point():
+        _fail(name, "a floating dtype, not", "", t.dtype)
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def gate(
+    raw_g: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Per-channel log decay of one token: ``lower_bound * sigmoid(exp(a_log[h]) * (g + bias))``.
+
+    ``raw_g`` is ``[..., H, K]`` (token rows of the ``[T, H*K]`` tensor are ``raw_g.view(T, H, K)``);
+    the result has the same shape, in ``dtype``, and is <= 0 for a negative ``lower_bound``.
+    """
+    heads = a_log.shape[0]
+    if raw_g.shape[-2:] != (heads, K):
+        _fail("raw_g", "trailing shape", (heads, K), tuple(raw_g.shape[-2:]))
+    rate = torch.exp(a_log.to(dtype))[:, None]
+    bias = dt_bias.to(dtype).reshape(heads, K)
+    return lower_bound * torch.sigmoid(rate * (raw_g.to(dtype) + bias))
+
+
+def l2_normalise(x: Tensor, dtype: torch.dtype = torch.float64, scale: float = 1.0) -> Tensor:
+    """``scale * x / sqrt(sum(x^2) + 1e-6)`` over the last dim, in ``dtype``.
+
+    The epsilon keeps an all-zero vector (a masked token) at zero instead of NaN.
+    """
+    x = x.to(dtype)
+    return x * (torch.rsqrt((x * x).sum(-1, keepdim=True) + NORM_EPS) * scale)
+
+
+def fma_f32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """Correctly rounded fp32 ``a * b + c`` (broadcasting), as the GPU's ``fma.rn.f32``.
+
+    The fp32 x fp32 product is exact in fp64 (48 <= 53 bits); the fp64 sum is not always, and
+    rounding it to fp32 would double-round when it lands exactly on an fp32 midpoint. That case is
+    repaired with the exact fp64 residual of the sum (TwoSum): the true value lies on the
+    residual's side of the midpoint. So this is exact, not just nearly so.
+    """
+    prod = a.double() * b.double()
+    addend = c.double()
+    total = prod + addend
+    back = total - prod
+    residual = (prod - (total - back)) + (addend - back)  # total + residual == prod + addend
+    nearest = total.float()  # ties to even
+    nearest64 = nearest.double()
+    toward = torch.where(total > nearest64, torch.inf, -torch.inf).float()
+    neighbour = torch.nextafter(nearest, toward)  # the other fp32 bracketing ``total``
+    midpoint = (total != nearest64) & ((nearest64 + neighbour.double()) * 0.5 == total)
+    # At a midpoint with a nonzero residual, round toward the residual's side.
+    beyond = (residual > 0) == (neighbour.double() > nearest64)
+    fix = midpoint & (residual != 0) & beyond
+    return torch.where(fix, neighbour, nearest)
+
+
+def silu_f32(x: Tensor) -> Tensor:
+    """SiLU in fp32 as the kernels write it: ``x / (1 + exp(-x))``."""
+    x = x.float()
+    return x / (1.0 + torch.exp(-x))
+
+
+def conv_window_outputs(window: Tensor, conv_w: Tensor) -> Tensor:
+    """Causal width-4 convolution + SiLU of a window, rounded like the stock kernel.
+
+    ``window`` is ``[..., 3 + Q, C]`` bf16: three history tokens, then the Q raw tokens.
+    ``conv_w`` is ``[C, 4]``; its dtype selects the arithmetic (the rounding points are part of
+    the contract because the result lands bit-exact in ``kg``):
+
+    - bf16 taps: each product (exact in fp32) is rounded to bf16, then summed in fp32 in tap
+      order starting from 0;
+    - fp32 taps: ``acc = fma(win, w, acc)`` in fp32, tap by tap.
+
+    Returns ``y[..., t, c] = bf16(SiLU(acc))`` of shape ``[..., Q, C]``.
+    """
+    if window.dtype != torch.bfloat16:
+        _fail("conv window", "dtype", torch.bfloat16, window.dtype)
+    _check_dtype("conv_w", conv_w, (torch.bfloat16, torch.float32))
+    steps = window.shape[-2] - (CONV_WIDTH - 1)
+    win = window.float()
+    taps = conv_w.float()
+    acc = torch.zeros_like(win[..., :steps, :])
+    for j in range(CONV_WIDTH):
+        x = win[..., j : j + steps, :]
+        if conv_w.dtype == torch.bfloat16:
+            acc = acc + (x * taps[:, j]).to(torch.bfloat16).float()
+        else:
+            acc = fma_f32(x, taps[:, j], acc)
+    return silu_f32(acc).to(torch.bfloat16)
+
+
+def solve_window(
+    s0: Tensor, k_n: Tensor, q_n: Tensor, v: Tensor, beta: Tensor, g_cum: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The delta-rule recurrence over one window, in closed form (one read of the state).
+
+    Shapes (any leading dims ``...``): ``s0 [..., V, K]``, ``k_n, q_n, g_cum [..., Q, K]``,
+    ``v [..., Q, V]``, ``beta [..., Q]``. Returns ``(u, o)``, both ``[..., Q, V]``, equal to::
+
+        S <- S * exp(gate_t)[None, :];  u_t = beta_t (v_t - S k_t);  S <- S + u_t k_t^T;  o_t = S q_t
+
+    via ``u_t = beta_t (v_t - S0 p_t - sum_{i<t} c_ti u_i)`` and ``o_t = S0 r_t + sum_{i<=t} d_ti
+    u_i`` with ``p_t = e^{G_t} k_t``, ``r_t = e^{G_t} q_t``. The couplings are summed as
+    ``sum_c k_i[c] x_t[c] exp(G_t[c] - G_i[c])`` so no ``exp(-G)`` factor can overflow. A token
+    with ``beta = 0`` and ``k_n = 0`` is inert, which is how positions past ``qlen`` are masked.
+    """
+    window = k_n.shape[-2]
+    decay = torch.exp(g_cum)
+    probes = torch.cat([decay * k_n, decay * q_n], dim=-2)  # [..., 2Q, K]
+    proj = probes @ s0.transpose(-1, -2)  # row n: S0 @ probe_n, [..., 2Q, V]
+    pos = torch.arange(window, device=k_n.device)
+    causal = pos[:, None] >= pos[None, :]  # [t, i]: i <= t
+    strict = pos[:, None] > pos[None, :]
+    rel = g_cum[..., :, None, :] - g_cum[..., None, :, :]  # [..., t, i, K]: G_t - G_i
+    weighted = torch.exp(torch.where(causal[:, :, None], rel, 0.0)) * k_n[..., None, :, :]
+    c = torch.einsum("...tik,...tk->...ti", weighted, k_n)
+    d = torch.einsum("...tik,...tk->...ti", weighted, q_n)
+    c = torch.where(strict, c, 0.0)
+    d = torch.where(causal, d, 0.0)
+    us: list[Tensor] = []
+    for t in range(window):
+        acc = v[..., t, :] - proj[..., t, :]
+        if t:
+            done = torch.stack(us, dim=-2)  # [..., t, V]
+            acc = acc - (c[..., t : t + 1, :t] @ done).squeeze(-2)
+        us.append(beta[..., t, None] * acc)
+    u = torch.stack(us, dim=-2)
+    o = proj[..., window:, :] + d @ u
+    return u, o
+
+
+def fold_accepted(s0: Tensor, k_n: Tensor, u: Tensor, g_cum: Tensor, count: Tensor) -> Tensor:
+    """The state after the first ``count`` window tokens: the commit formula.
+
+    ``s0 [..., V, K]``, ``k_n, g_cum [..., Q, K]``, ``u [..., Q, V]``, ``count [...]`` in 1..Q.
+    ``S = S0 * exp(L)[None, :] + sum_{i<count} u_i (exp(L - G_i) k_i)^T`` with
+    ``L = G_{count-1}``. Positions ``i >= count`` are selected away with ``torch.where`` (not
+    multiplied by 0), so garbage or NaN there cannot leak in.
+    """
+    window = k_n.shape[-2]
+    count = count.long()
+    keep = (torch.arange(window, device=k_n.device) < count[..., None])[..., None]  # [..., Q, 1]
+    index = (count - 1).clamp(min=0)[..., None, None].expand(*count.shape, 1, g_cum.shape[-1])
+    last = torch.gather(torch.where(keep, g_cum, 0.0), -2, index)  # [..., 1, K]
+    w = torch.where(keep, torch.exp(torch.where(keep, last - g_cum, 0.0)) * k_n, 0.0)
+    u = torch.where(keep, u, 0.0)
+    return s0 * torch.exp(last) + u.transpose(-1, -2) @ w
+
+
+# --------------------------------------------------------------------------- request layout
+
+
+@dataclass(frozen=True)
+class Requests:
+    """Where each request's window lives, as index tensors (all on the inputs' device).
+
+    ``rows[b, t]`` is the token row of window position t, clamped into the request (positions
+    past ``qlen`` repeat its last token, like the seed) and into the token tensor, so gathers
+    never fault; ``tokens`` says which positions exist. ``slot`` is clamped to 0 for padding
+    requests for the same reason; their gathered values are never written.
+    """
+
+    bos: Tensor  # [B] int64
+    qlen: Tensor  # [B] int64
+    valid: Tensor  # [B] bool: slot > null_slot
+    live: Tensor  # [B] bool: valid and qlen > 0
+    tokens: Tensor  # [B, Q] bool: t < qlen
+    rows: Tensor  # [B, Q] int64
+    slot: Tensor  # [B] int64
+
+
+def request_layout(
+    query_start: Tensor, slots: Tensor, null_slot: int, window: int, num_tokens: int
+) -> Requests:
+    """Index tensors for B = ``slots.shape[0]`` requests of at most ``window`` tokens.
+
+    Raises ValueError if a window is negative, longer than ``window`` or past ``num_tokens``.
+    """
+    batch = slots.shape[0]
+    _check_dtype("query_start", query_start, _INDEX_DTYPES)
+    _check_dtype("slots", slots, _INDEX_DTYPES)
+    _check_shape("query_start", query_start, (batch + 1,))
+    starts = query_start.long()
+    bos, qlen = starts[:-1], starts[1:] - starts[:-1]
+    if batch and (qlen.min() < 0 or qlen.max() > window):
+        _fail("query_start", "window lengths in", f"[0, {window}]", qlen.tolist())
+    if batch and qlen.max() > 0 and starts[1:][qlen > 0].max() > num_tokens:
+        _fail("query_start", "token ends <=", num_tokens, starts.tolist())
+    slot = slots.long()
+    valid = slot > null_slot
+    pos = torch.arange(window, device=slots.device)
+    tokens = pos[None, :] < qlen[:, None]
+    rows = bos[:, None] + torch.minimum(pos[None, :], (qlen - 1).clamp(min=0)[:, None])
+    rows = rows.clamp(0, max(num_tokens - 1, 0))
+    return Requests(
+        bos=bos,
+        qlen=qlen,
+        valid=valid,
+        live=valid & (qlen > 0),
+        tokens=tokens,
+        rows=rows,
+        slot=torch.where(valid, slot, 0),
+    )
+
+
+def _check_live_slots(name: str, slot: Tensor, live: Tensor, num_slots: int, unique: bool) -> None:
+    used = slot[live]
+    if used.numel() and (used.min() < 0 or used.max() >= num_slots):
+        _fail(name, "live slots in", f"[0, {num_slots})", used.tolist())
+    if unique and used.unique().numel() != used.numel():
+        _fail(name, "distinct live slots (they are written), got", "", used.tolist())
+
+
+# --------------------------------------------------------------------------- convolution
+
+
+def _conv_rows(conv_state: Tensor, slot: Tensor, rows: Tensor, dim_first: bool) -> Tensor:
+    """``conv_state`` rows ``rows [B, n]`` of ``slot [B]`` as ``[B, n, 3HK]``."""
+    if dim_first:
+        return conv_state[slot[:, None], :, rows]
+    return conv_state[slot[:, None], rows]
+
+
+def _convolve_and_roll(
+    raw: Tensor,
+    req: Requests,
+    conv_state: Tensor,
+    conv_w: Tensor,
+    accepted: Tensor,
+    dim_first: bool,
+) -> Tensor:
+    """Convolve the raw window ``[B, Q, 3HK]`` and roll the conv state of live requests.
+
+    History rows are read for every request before any row is written.
+    """
+    window = raw.shape[1]
+    first = torch.where(req.live, accepted.long() - 1, 0)
+    if req.live.any() and (first[req.live].min() < 0 or first[req.live].max() >= window):
+        _fail("accepted", "live values in", f"[1, {window}]", accepted[req.live].tolist())
+    history = torch.arange(CONV_WIDTH - 1, device=raw.device)
+    hist = _conv_rows(conv_state, req.slot, first[:, None] + history, dim_first)  # [B, 3, C]
+    y = conv_window_outputs(torch.cat([hist, raw], dim=1), conv_w)
+    # Rolled rows: the last two history tokens, then the raw tokens t < qlen.
+    rolled = torch.cat([hist[:, 1:], raw], dim=1)  # [B, Q + 2, C]
+    row = torch.arange(window + 2, device=raw.device)
+    write = req.live[:, None] & (row[None, :] < 2 + req.qlen[:, None])
+    b_idx, r_idx = torch.nonzero(write, as_tuple=True)
+    values = rolled[b_idx, r_idx].to(conv_state.dtype)
+    if dim_first:
+        conv_state[req.slot[b_idx], :, r_idx] = values
+    else:
+        conv_state[req.slot[b_idx], r_idx] = values
+    return y
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _validate_verify(
+    qkv: Tensor,
+    raw_g: Tensor,
+    raw_beta: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    out: Tensor,
+    corr: Tensor,
+    kg: Tensor,
+    batch: int,
+    conv: tuple[Tensor | None, Tensor | None, Tensor | None],
+    conv_dim_first: bool,
+) -> None:
+    heads, window = a_log.shape[0], corr.shape[2]
+    tokens = qkv.shape[0]
+    _check_shape("qkv", qkv, (tokens, 3 * heads * K))
+    _check_dtype("qkv", qkv, (torch.bfloat16,))
+    _check_shape("raw_g", raw_g, (tokens, heads * K))
+    _check_dtype("raw_g", raw_g, (torch.bfloat16,))
+    _check_shape("raw_beta", raw_beta, (tokens, heads))
+    _check_float("raw_beta", raw_beta)
+    _check_shape("a_log", a_log, (heads,))
+    _check_float("a_log", a_log)
+    _check_shape("dt_bias", dt_bias, (heads * K,))
+    _check_float("dt_bias", dt_bias)
+    _check_shape("state", state, (state.shape[0], heads, V, K))
+    _check_float("state", state)
+    _check_shape("out", out, (tokens, heads * V))
+    _check_float("out", out)
+    if not 1 <= window <= 8:
+        _fail("corr", "window (dim 2) in", "[1, 8]", window)
+    if corr.dim() != 4 or corr.shape[0] < batch:
+        _fail("corr", "shape", f"[>={batch}, {heads}, Q, {V}]", tuple(corr.shape))
+    _check_shape("corr", corr, (corr.shape[0], heads, window, V))
+    _check_float("corr", corr)
+    if kg.dim() != 4 or kg.shape[0] < batch:
+        _fail("kg", "shape", f"[>={batch}, {heads}, {window}, {2 * K}]", tuple(kg.shape))
+    _check_shape("kg", kg, (kg.shape[0], heads, window, 2 * K))
+    _check_dtype("kg", kg, (torch.bfloat16,))
+    conv_state, conv_w, accepted = conv
+    if conv_state is None:
+        return
+    if conv_w is None or accepted is None:
+        raise ValueError("conv_state given: conv_w and accepted are required too")
+    channels = 3 * heads * K
+    rows = (channels, window + 2) if conv_dim_first else (window + 2, channels)
+    _check_shape("conv_state", conv_state, (conv_state.shape[0], *rows))
+    _check_dtype("conv_state", conv_state, (torch.bfloat16,))
+    _check_shape("conv_w", conv_w, (channels, CONV_WIDTH))
+    _check_dtype("conv_w", conv_w, (torch.bfloat16, torch.float32))
+    _check_shape("accepted", accepted, (batch,))
+    _check_dtype("accepted", accepted, _INDEX_DTYPES)
+
+
+def verify(
+    qkv: Tensor,
+    raw_g: Tensor,
+    raw_beta: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    query_start: Tensor,
+    slots: Tensor,
+    out: Tensor,
+    corr: Tensor,
+    kg: Tensor,
+    *,
+    lower_bound: float,
+    null_slot: int,
+    conv_state: Tensor | None = None,
+    conv_w: Tensor | None = None,
+    accepted: Tensor | None = None,
+    conv_dim_first: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+) -> None:
+    """Writes in place, exactly the elements the contract allows and nothing else:
+    out[T, H*V], corr[rows, H, Q, V], kg[rows, H, Q, 2K] (request b -> row b), and, with conv
+    (conv_state is not None), rolls conv_state in place. heads H = a_log.shape[0],
+    window Q = corr.shape[2], B = slots.shape[0]. out/corr may be given in any float dtype
+    (bf16/fp32/fp64): values are computed in compute_dtype and cast on store, so fp64 buffers keep
+    unrounded results. kg is always bf16 and must be bit-exact (k post-conv as bf16, then raw_g).
+    conv weight dtype (bf16 or fp32 taps) is taken from conv_w.dtype; conv_dim_first selects the
+    [slots, 3HK, Q+2] conv-state layout, else token-major [slots, Q+2, 3HK]."""
+    heads, window, batch = a_log.shape[0], corr.shape[2], slots.shape[0]
+    conv = (conv_state, conv_w, accepted)
+    _validate_verify(
+        qkv, raw_g, raw_beta, a_log, dt_bias, state, out, corr, kg, batch, conv, conv_dim_first
+    )
+    req = request_layout(query_start, slots, null_slot, window, qkv.shape[0])
+    if batch == 0 or not req.tokens.any():
+        return
+    _check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
+    here = req.tokens[:, :, None]  # [B, Q, 1]: masks token positions past qlen
+
+    raw = torch.where(here, qkv[req.rows], 0.0)  # [B, Q, 3HK] bf16
+    if conv_state is not None:
+        _check_live_slots("slots", req.slot, req.live, conv_state.shape[0], unique=True)
+        mixed = _convolve_and_roll(raw, req, conv_state, conv_w, accepted, conv_dim_first)
+        mixed = torch.where(here, mixed, 0.0)  # outputs past qlen exist only as zeros
+    else:
+        mixed = raw
+    mixed = mixed.view(batch, window, 3, heads, K)
+    k_raw = mixed[:, :, 1]  # [B, Q, H, K] bf16, what kg records
+    g_raw = torch.where(here, raw_g[req.rows], 0.0).view(batch, window, heads, K)
+
+    here4 = here[..., None]  # [B, Q, 1, 1]
+    g_cum = torch.where(here4, gate(g_raw, a_log, dt_bias, lower_bound, compute_dtype), 0.0)
+    g_cum = g_cum.cumsum(dim=1)
+    k_n = l2_normalise(k_raw, compute_dtype)
+    q_n = l2_normalise(mixed[:, :, 0], compute_dtype, scale=K**-0.5)
+    v = mixed[:, :, 2].to(compute_dtype)
+    beta = torch.where(here, torch.sigmoid(raw_beta[req.rows].to(compute_dtype)), 0.0)
+
+    def heads_first(x: Tensor) -> Tensor:  # [B, Q, H, ...] -> [B, H, Q, ...]
+        return x.transpose(1, 2)
+
+    s0 = state[req.slot].to(compute_dtype)  # [B, H, V, K]
+    u, o = solve_window(
+        s0,
+        heads_first(k_n),
+        heads_first(q_n),
+        heads_first(v),
+        heads_first(beta),
+        heads_first(g_cum),
+    )
+    _store_verify(req, u, o, k_raw, g_raw, out, corr, kg)
+
+
+def _store_verify(
+    req: Requests,
+    u: Tensor,
+    o: Tensor,
+    k_raw: Tensor,
+    g_raw: Tensor,
+    out: Tensor,
+    corr: Tensor,
+    kg: Tensor,
+) -> None:
+    """Scatter the window results to the allowed elements only (cast on store)."""
+    b_idx, t_idx = torch.nonzero(req.tokens, as_tuple=True)
+    rows = o.transpose(1, 2)[b_idx, t_idx]  # [N, H, V]
+    rows = torch.where(req.valid[b_idx, None, None], rows, 0.0)  # padding requests write zeros
+    out[req.bos[b_idx] + t_idx] = rows.reshape(rows.shape[0], -1).to(out.dtype)
+    b_idx, t_idx = torch.nonzero(req.tokens & req.live[:, None], as_tuple=True)
+    corr[b_idx, :, t_idx] = u[b_idx, :, t_idx].to(corr.dtype)
+    record = torch.cat([k_raw, g_raw.to(torch.bfloat16)], dim=-1)  # [B, Q, H, 2K]
+    kg[b_idx, :, t_idx] = record[b_idx, t_idx]
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def commit(
+    state: Tensor,
+    corr: Tensor,
+    kg: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    slots: Tensor,
+    accepted: Tensor,
+    *,
+    lower_bound: float,
+    null_slot: int,
+    compute_dtype: torch.dtype = torch.float64,
+) -> None:
+    """Folds the accepted prefix into state[slot, h] in place (cast to state.dtype): for requests
+    with slot > null_slot and accepted[b] > 0 (accepted <= Q assumed). Other slots untouched.
+    H = state.shape[1], Q = corr.shape[2]."""
+    heads, batch = state.shape[1], slots.shape[0]
+    _check_shape("state", state, (state.shape[0], heads, V, K))
+    _check_float("state", state)
+    if corr.dim() != 4 or corr.shape[0] < batch:
+        _fail("corr", "shape", f"[>={batch}, {heads}, Q, {V}]", tuple(corr.shape))
+    window = corr.shape[2]
+    _check_shape("corr", corr, (corr.shape[0], heads, window, V))
+    _check_float("corr", corr)
+    if kg.dim() != 4 or kg.shape[0] < batch:
+        _fail("kg", "shape", f"[>={batch}, {heads}, {window}, {2 * K}]", tuple(kg.shape))
+    _check_shape("kg", kg, (kg.shape[0], heads, window, 2 * K))
+    _check_shape("a_log", a_log, (heads,))
+    _check_shape("dt_bias", dt_bias, (heads * K,))
+    _check_dtype("slots", slots, _INDEX_DTYPES)
+    _check_shape("accepted", accepted, (batch,))
+    _check_dtype("accepted", accepted, _INDEX_DTYPES)
+
+    count = accepted.long()
+    slot = slots.long()
+    live = (slot > null_slot) & (count > 0)
+    if not live.any():
+        return
+    if count[live].max() > window:
+        _fail("accepted", "values <=", window, count[live].tolist())
+    _check_live_slots("slots", slot, live, state.shape[0], unique=True)
+    sel = torch.nonzero(live, as_tuple=True)[0]
+    slot, count = slot[sel], count[sel]
+    keep = (torch.arange(window, device=kg.device) < count[:, None])[:, None, :, None]  # N,1,Q,1
+    record = kg[sel]  # [N, H, Q, 2K]
+    k_raw = torch.where(keep, record[..., :K], 0.0)
+    g_raw = torch.where(keep, record[..., K:], 0.0)
+    g = gate(g_raw.transpose(1, 2), a_log, dt_bias, lower_bound, compute_dtype).transpose(1, 2)
+    g_cum = torch.where(keep, g, 0.0).cumsum(dim=2)
+    u = torch.where(keep, corr[sel].to(compute_dtype), 0.0)
+    s0 = state[slot].to(compute_dtype)
+    folded = fold_accepted(
+        s0, l2_normalise(k_raw, compute_dtype), u, g_cum, count[:, None].expand(-1, heads)
+    )
+    state[slot] = folded.to(state.dtype)

@@ -1,0 +1,76 @@
+"""Variant -> CuTe-DSL module source, through the Jinja templates in ``templates/``."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from importlib import metadata
+from pathlib import Path
+
+import jinja2
+
+from kdagen.variant import Variant
+
+TEMPLATE_DIR = Path(
+    os.environ.get("KDAGEN_TEMPLATES", Path(__file__).resolve().parents[1] / "templates")
+)
+
+
+@functools.cache
+def environment() -> jinja2.Environment:
+    """StrictUndefined: a template that reads a field the variant lacks fails to render."""
+    if not TEMPLATE_DIR.is_dir():
+        raise FileNotFoundError(
+            f"kdagen templates not found at {TEMPLATE_DIR}; install kdagen from its checkout "
+            "(pip install -e .) or set KDAGEN_TEMPLATES"
+        )
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _context(variant: Variant) -> dict[str, object]:
+    """Values the templates read besides the variant itself, derived once here."""
+    context: dict[str, object] = {"variant": variant, "template_path": variant.spec.template}
+    return context
+
+
+@functools.cache
+def render(variant: Variant) -> str:
+    """The variant's kernel module as Python source."""
+    return environment().get_template(variant.spec.template).render(**_context(variant))
+
+
+@functools.cache
+def dsl_version() -> str:
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:  # the GPU host's devkit unpacks without metadata
+        import cutlass
+
+        return str(getattr(cutlass, "__version__", "unknown"))
+
+
+def digest(variant: Variant) -> str:
+    """Content hash: the rendered source and the DSL version that compiles it."""
+    h = hashlib.sha256()
+    h.update(render(variant).encode())
+    h.update(b"\0nvidia-cutlass-dsl=" + dsl_version().encode())
+    return h.hexdigest()[:16]
+
+
+def template_digest(kernel: str | None = None) -> str:
+    """Hash of every template file (of one kernel, or all): dispatch tables record it."""
+    h = hashlib.sha256()
+    root = TEMPLATE_DIR
+    for path in sorted(root.rglob("*.j2")):
+        rel = path.relative_to(root).as_posix()
+        if kernel is None or rel.startswith((f"{kernel}/", "common/")):
+            h.update(rel.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]

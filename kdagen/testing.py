@@ -1,0 +1,285 @@
+"""Input construction and write tracking for KDA verify / commit checks (CPU tests, GPU checks).
+
+Outputs are poisoned with a NaN bit pattern no computation produces, so a check can tell, bit
+for bit, which elements a kernel wrote: everything outside the contract's write set must still
+hold the poison (or, for buffers with real data such as the state pool, its old bits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kdagen.reference import CONV_WIDTH, K, V
+
+__all__ = [
+    "POISON_BITS",
+    "bits",
+    "clone_inputs",
+    "commit_args",
+    "commit_write_mask",
+    "is_poisoned",
+    "make_verify_inputs",
+    "poison_",
+    "untouched_mask",
+    "verify_args",
+    "verify_write_masks",
+]
+
+# Integer dtype of the same width, for bitwise views.
+_BITS_VIEW: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.int16: torch.int16,
+    torch.int32: torch.int32,
+    torch.int64: torch.int64,
+    torch.int8: torch.int8,
+    torch.uint8: torch.uint8,
+}
+
+# Quiet NaNs with a payload arithmetic never makes (floats), a recognisable sentinel (ints).
+POISON_BITS: dict[torch.dtype, int] = {
+    torch.bfloat16: 0x7FD5,
+    torch.float16: 0x7ED5,
+    torch.float32: 0x7FD5A5A5,
+    torch.float64: 0x7FFDA5A5A5A5A5A5,
+    torch.int16: -0x5A5B,
+    torch.int32: -0x5A5A5A5B,
+    torch.int64: -0x5A5A5A5A5A5A5A5B,
+    torch.int8: -0x5B,
+    torch.uint8: 0xA5,
+}
+
+_VERIFY_KEYS = (
+    "qkv",
+    "raw_g",
+    "raw_beta",
+    "a_log",
+    "dt_bias",
+    "state",
+    "query_start",
+    "slots",
+    "out",
+    "corr",
+    "kg",
+    "lower_bound",
+    "null_slot",
+)
+_CONV_KEYS = ("conv_state", "conv_w", "accepted", "conv_dim_first")
+
+
+def bits(t: Tensor) -> Tensor:
+    """The raw bits of ``t`` as a same-width integer view (works on strided views)."""
+    return t.view(_BITS_VIEW[t.dtype])
+
+
+def poison_(t: Tensor) -> Tensor:
+    """Fill ``t`` in place with the poison pattern of its dtype; returns ``t``."""
+    bits(t).fill_(POISON_BITS[t.dtype])
+    return t
+
+
+def is_poisoned(t: Tensor) -> Tensor:
+    """Elementwise: does ``t`` still hold the poison pattern?"""
+    return bits(t) == POISON_BITS[t.dtype]
+
+
+def untouched_mask(before: Tensor, after: Tensor) -> Tensor:
+    """Elementwise bit equality (NaN-safe, unlike ``==``): True where nothing changed."""
+    if before.shape != after.shape or before.dtype != after.dtype:
+        raise ValueError(
+            f"untouched_mask: {tuple(before.shape)} {before.dtype} vs "
+            f"{tuple(after.shape)} {after.dtype}"
+        )
+    return bits(before) == bits(after)
+
+
+def _generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+def _window_lengths(
+    batch: int, window: int, ragged: bool, null: list[bool], gen: torch.Generator
+) -> list[int]:
+    """Per-request qlen: full windows, or random 1..Q plus forced corner cases when ragged.
+
+    Ragged batches get (where B allows) a qlen 0, a 0 < qlen < Q and a full window among the live
+    requests, and every padding request a nonzero qlen so its zero-writes are exercised.
+    """
+    if not ragged:
+        return [window] * batch
+    qlen = torch.randint(1, window + 1, (batch,), generator=gen).tolist()
+    live = [b for b in range(batch) if not null[b]]
+    order = [live[i] for i in torch.randperm(len(live), generator=gen).tolist()]
+    corners = [0, int(torch.randint(1, window, (1,), generator=gen)) if window > 1 else 1, window]
+    for b, length in zip(order, corners, strict=False):
+        qlen[b] = length
+    return qlen
+
+
+def _padding_requests(batch: int, nulls: bool, gen: torch.Generator) -> list[bool]:
+    """Which requests sit on the null slot: one in five (at least one), at random positions."""
+    if not nulls or batch < 2:
+        return [False] * batch
+    count = max(1, round(batch / 5))
+    chosen = set(torch.randperm(batch, generator=gen)[:count].tolist())
+    return [b in chosen for b in range(batch)]
+
+
+def make_verify_inputs(
+    B: int,
+    H: int,
+    Q: int,
+    *,
+    conv: bool = False,
+    conv_dim_first: bool = False,
+    conv_w_dtype: torch.dtype = torch.bfloat16,
+    null_slot: int = 0,
+    slot_dtype: torch.dtype = torch.int32,
+    pad: int = 512,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    ragged: bool = True,
+    nulls: bool = True,
+    extra_slots: int = 3,
+    extra_rows: int = 1,
+    state_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype = torch.bfloat16,
+    corr_dtype: torch.dtype = torch.float32,
+    lower_bound: float = -5.0,
+) -> dict[str, Any]:
+    """Random, realistic inputs for one verify launch (then commit), outputs poisoned.
+
+    Keys: ``qkv, raw_g, raw_beta, a_log, dt_bias, state, state_pool, query_start, slots, out,
+    corr, kg, conv_state, conv_w, accepted`` (the last three None without ``conv``) and the
+    scalars ``lower_bound, null_slot, conv_dim_first, qlen`` (a list).
+
+    - ``state`` is the ``[slots, H, V, K]`` view of ``state_pool`` ``[slots, H*V*K + pad]`` (a
+      vLLM cache page with a padded slot stride); the padding is poisoned so stray writes show.
+    - Slots are a random permutation of the real slots (> null_slot), unique per request;
+      padding requests use ``null_slot``. With ``ragged`` some windows are empty or short.
+    - Data are never zero: projections ~N(0,1), raw_g ~N(0,1), a_log ~U(-1,1),
+      dt_bias ~N(0,0.5), state ~N(0,0.1), taps ~N(0,0.5); ``accepted`` ~U{1..Q}.
+    - ``out``, ``corr`` and ``kg`` (``B + extra_rows`` rows) are poisoned.
+    """
+    gen = _generator(seed)
+    null = _padding_requests(B, nulls, gen)
+    qlen = _window_lengths(B, Q, ragged, null, gen)
+    tokens = sum(qlen)
+    first_real = null_slot + 1 if null_slot >= 0 else 0
+    num_slots = first_real + B + extra_slots
+    real = (torch.randperm(num_slots - first_real, generator=gen)[:B] + first_real).tolist()
+    slots = [null_slot if null[b] else real[b] for b in range(B)]
+
+    def randn(*shape: int, std: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).to(dtype)
+
+    per_slot = H * V * K
+    pool = poison_(torch.empty(num_slots, per_slot + pad, dtype=state_dtype))
+    pool[:, :per_slot] = randn(num_slots, per_slot, std=0.1, dtype=state_dtype)
+    inputs: dict[str, Any] = {
+        "qkv": randn(tokens, 3 * H * K),
+        "raw_g": randn(tokens, H * K),
+        "raw_beta": randn(tokens, H),
+        "a_log": (torch.rand(H, generator=gen, dtype=torch.float64) * 2 - 1).float(),
+        "dt_bias": randn(H * K, std=0.5, dtype=torch.float32),
+        "state_pool": pool,
+        "query_start": torch.tensor([0, *torch.tensor(qlen).cumsum(0).tolist()], dtype=torch.int32),
+        "slots": torch.tensor(slots, dtype=slot_dtype),
+        "out": poison_(torch.empty(tokens, H * V, dtype=out_dtype)),
+        "corr": poison_(torch.empty(B + extra_rows, H, Q, V, dtype=corr_dtype)),
+        "kg": poison_(torch.empty(B + extra_rows, H, Q, 2 * K, dtype=torch.bfloat16)),
+        "conv_state": None,
+        "conv_w": None,
+        "accepted": None,
+        "lower_bound": lower_bound,
+        "null_slot": null_slot,
+        "conv_dim_first": conv_dim_first,
+        "qlen": qlen,
+    }
+    if conv:
+        channels = 3 * H * K
+        rows = randn(num_slots, Q + 2, channels)
+        inputs["conv_state"] = rows.transpose(1, 2).contiguous() if conv_dim_first else rows
+        inputs["conv_w"] = randn(channels, CONV_WIDTH, std=0.5, dtype=conv_w_dtype)
+        inputs["accepted"] = torch.randint(1, Q + 1, (B,), generator=gen, dtype=torch.int32)
+    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+    inputs["state"] = _state_view(inputs["state_pool"], H)
+    return inputs
+
+
+def _state_view(pool: Tensor, heads: int) -> Tensor:
+    return pool[:, : heads * V * K].view(pool.shape[0], heads, V, K)
+
+
+def clone_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Deep copy of a ``make_verify_inputs`` dict; ``state`` stays a view of the new pool."""
+    copy = {k: v.clone() if isinstance(v, Tensor) else v for k, v in inputs.items()}
+    copy["qlen"] = list(inputs["qlen"])
+    copy["state"] = _state_view(copy["state_pool"], inputs["state"].shape[1])
+    return copy
+
+
+def verify_args(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for ``reference.verify`` (conv ones only when the inputs have conv)."""
+    args = {k: inputs[k] for k in _VERIFY_KEYS}
+    if inputs.get("conv_state") is not None:
+        args.update({k: inputs[k] for k in _CONV_KEYS})
+    return args
+
+
+def commit_args(inputs: dict[str, Any], accepted: Tensor) -> dict[str, Any]:
+    """Keyword arguments for ``reference.commit`` after a verify on ``inputs``."""
+    keys = ("state", "corr", "kg", "a_log", "dt_bias", "slots", "lower_bound", "null_slot")
+    return {**{k: inputs[k] for k in keys}, "accepted": accepted}
+
+
+def _requests(inputs: dict[str, Any]) -> list[tuple[int, int, int, bool]]:
+    """(bos, qlen, slot, live slot) per request, on the host."""
+    starts = inputs["query_start"].tolist()
+    slots = inputs["slots"].tolist()
+    null = inputs["null_slot"]
+    return [(starts[b], starts[b + 1] - starts[b], s, s > null) for b, s in enumerate(slots)]
+
+
+def verify_write_masks(inputs: dict[str, Any]) -> dict[str, Tensor]:
+    """Boolean masks of the elements verify may write: ``out``, ``corr``, ``kg``, and
+    ``conv_state`` (when present). Everything else (the state pool included) must keep its bits.
+    """
+    out = torch.zeros(inputs["out"].shape, dtype=torch.bool)
+    corr = torch.zeros(inputs["corr"].shape, dtype=torch.bool)
+    kg = torch.zeros(inputs["kg"].shape, dtype=torch.bool)
+    conv_state = inputs.get("conv_state")
+    conv = None if conv_state is None else torch.zeros(conv_state.shape, dtype=torch.bool)
+    for b, (bos, qlen, slot, live) in enumerate(_requests(inputs)):
+        out[bos : bos + qlen] = True
+        if not live or qlen == 0:
+            continue
+        corr[b, :, :qlen] = True
+        kg[b, :, :qlen] = True
+        if conv is not None:
+            if inputs["conv_dim_first"]:
+                conv[slot, :, : 2 + qlen] = True
+            else:
+                conv[slot, : 2 + qlen] = True
+    masks = {"out": out, "corr": corr, "kg": kg}
+    if conv is not None:
+        masks["conv_state"] = conv
+    return {k: m.to(inputs["out"].device) for k, m in masks.items()}
+
+
+def commit_write_mask(inputs: dict[str, Any], accepted: Tensor) -> Tensor:
+    """Boolean mask over ``state_pool`` of the elements commit may write (live, a > 0)."""
+    pool = inputs["state_pool"]
+    mask = torch.zeros(pool.shape, dtype=torch.bool)
+    per_slot = inputs["state"][0].numel()
+    for (_, _, slot, live), a in zip(_requests(inputs), accepted.tolist(), strict=True):
+        if live and a > 0:
+            mask[slot, :per_slot] = True
+    return mask.to(pool.device)

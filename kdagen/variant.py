@@ -1,0 +1,238 @@
+"""One point of the design space: what a kernel computes (contract) and how it runs (tuning).
+
+A ``Variant`` is frozen and validates itself on construction, so every variant that exists
+can be rendered. Its ``name`` is stable and readable and parses back with ``Variant.parse``;
+its ``digest`` (see ``kdagen.render``) covers the rendered source and the DSL version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+K = 128  # head dim of every KDA model we serve (V = K)
+
+CONTRACT_FIELDS = (
+    "kernel",
+    "heads",
+    "window",
+    "conv",
+    "conv_layout",
+    "conv_weight_dtype",
+    "slot_dtype",
+    "state_dtype",
+    "gate",
+)
+TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "stages", "pdl")
+
+# Allowed values per field; ints with a range are checked by ``_RANGES``.
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "kernel": ("verify", "commit"),
+    "conv": (False, True),
+    "conv_layout": ("token_major", "dim_first"),
+    "conv_weight_dtype": ("bf16", "fp32"),
+    "slot_dtype": ("int32", "int64"),
+    "state_dtype": ("bf16",),
+    "gate": ("kda",),
+    "threads": (32, 64, 128, 256, 512),
+    "vec": (4, 8),  # a state row then spans 32 or 16 threads (within a warp)
+    "row_split": (1, 2, 4, 8),
+    "stages": (1, 2, 3),
+    "pdl": (False, True),
+}
+_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 8), "ctas": (0, 1 << 16)}
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """An architecture path of a kernel: its template, targets and the tuning fields it reads."""
+
+    template: str
+    archs: tuple[str, ...]
+    tuning: tuple[str, ...]
+
+
+# kernel -> path -> spec. A path that is not listed has no template yet.
+PATHS: dict[str, dict[str, PathSpec]] = {
+    "commit": {
+        # State rows staged in shared memory by one bulk async copy (cp.async.bulk).
+        "bulk": PathSpec(
+            template="commit/bulk.py.j2",
+            archs=("sm_90a", "sm_100a"),
+            tuning=("threads", "vec", "row_split", "pdl"),
+        ),
+    },
+    "verify": {},
+}
+
+_SHORT = {"token_major": "tm", "dim_first": "df", "int32": "i32", "int64": "i64"}
+_LONG = {v: k for k, v in _SHORT.items()}
+# Name tokens of the tuning fields, in name order.
+_TUNING_TOKENS = (
+    ("threads", "t"),
+    ("vec", "v"),
+    ("row_split", "r"),
+    ("ctas", "c"),
+    ("stages", "st"),
+)
+
+
+class VariantError(ValueError):
+    """A variant field has a value the kernels do not support; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A kernel variant. Contract fields are dispatch keys; tuning fields change only speed."""
+
+    # ---- contract ----
+    kernel: str
+    heads: int
+    window: int
+    conv: bool = False
+    conv_layout: str = "token_major"
+    conv_weight_dtype: str = "bf16"
+    slot_dtype: str = "int32"
+    state_dtype: str = "bf16"
+    gate: str = "kda"
+    # ---- tuning ----
+    path: str = "bulk"
+    threads: int = 128
+    vec: int = 8
+    row_split: int = 1
+    ctas: int = 0
+    stages: int = 1
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_field(f.name, getattr(self, f.name))
+        paths = PATHS[self.kernel]
+        if self.path not in paths:
+            raise VariantError(
+                f"path={self.path!r} has no template for kernel {self.kernel!r}; "
+                f"allowed: {sorted(paths) or 'none yet'}"
+            )
+        _check_path_rules(self)
+
+    # ---- identity ----
+    @property
+    def spec(self) -> PathSpec:
+        return PATHS[self.kernel][self.path]
+
+    @property
+    def contract(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in CONTRACT_FIELDS}
+
+    @property
+    def tuning(self) -> dict[str, Any]:
+        """The tuning fields this variant's path reads (the others are unused defaults)."""
+        return {"path": self.path} | {name: getattr(self, name) for name in self.spec.tuning}
+
+    @property
+    def contract_key(self) -> str:
+        """The dispatch key: the name's contract part."""
+        parts = [self.kernel, f"h{self.heads}", f"q{self.window}"]
+        if self.conv:
+            parts += ["conv", _SHORT[self.conv_layout], self.conv_weight_dtype]
+        parts.append(_SHORT[self.slot_dtype])
+        return "-".join(parts)
+
+    @property
+    def name(self) -> str:
+        parts = [self.contract_key, self.path]
+        for field_name, token in _TUNING_TOKENS:
+            if field_name in self.spec.tuning:
+                parts.append(f"{token}{getattr(self, field_name)}")
+        if "pdl" in self.spec.tuning:
+            parts.append("pdl" if self.pdl else "nopdl")
+        return "-".join(parts)
+
+    @property
+    def contract_summary(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.contract.items())
+
+    @property
+    def tuning_summary(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.tuning.items())
+
+    def replace(self, **changes: Any) -> Variant:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def parse(cls, name: str) -> Variant:
+        """The inverse of ``name``: ``commit-h12-q8-i32-bulk-t128-v8-r1-pdl``."""
+        tokens = name.split("-")
+        try:
+            values: dict[str, Any] = {"kernel": tokens.pop(0)}
+            values["heads"] = int(_strip(tokens.pop(0), "h"))
+            values["window"] = int(_strip(tokens.pop(0), "q"))
+            if tokens and tokens[0] == "conv":
+                tokens.pop(0)
+                values["conv"] = True
+                values["conv_layout"] = _LONG[tokens.pop(0)]
+                values["conv_weight_dtype"] = tokens.pop(0)
+            values["slot_dtype"] = _LONG[tokens.pop(0)]
+            values["path"] = tokens.pop(0)
+            by_token = {token: field_name for field_name, token in _TUNING_TOKENS}
+            for token in tokens:
+                if token in ("pdl", "nopdl"):
+                    values["pdl"] = token == "pdl"
+                    continue
+                prefix = token.rstrip("0123456789")
+                values[by_token[prefix]] = int(token[len(prefix) :])
+        except (IndexError, KeyError, ValueError) as err:
+            raise VariantError(
+                f"cannot parse variant name {name!r} (expected e.g. "
+                f"'commit-h12-q8-i32-bulk-t128-v8-r1-pdl'): {err}"
+            ) from None
+        return cls(**values)
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> Variant:
+        """Build from a mapping (a YAML space point), rejecting unknown field names."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise VariantError(f"unknown variant field(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def _strip(token: str, prefix: str) -> str:
+    if not token.startswith(prefix):
+        raise ValueError(f"expected a {prefix!r} token, got {token!r}")
+    return token[len(prefix) :]
+
+
+def _check_field(name: str, value: Any) -> None:
+    if name in _CHOICES:
+        allowed = _CHOICES[name]
+        # bool is an int subclass: keep True from passing as 1 and 1 as True.
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise VariantError(f"{name}={value!r} is not allowed; allowed values: {list(allowed)}")
+    elif name in _RANGES:
+        low, high = _RANGES[name]
+        if type(value) is not int or not low <= value <= high:
+            raise VariantError(
+                f"{name}={value!r} is not allowed; expected an int in [{low}, {high}]"
+            )
+    elif name in ("path",) and not isinstance(value, str):
+        raise VariantError(f"path={value!r} must be a string")
+
+
+def _check_path_rules(v: Variant) -> None:
+    """Cross-field rules of each kernel path (what its template can express)."""
+    if v.kernel == "commit" and v.conv:
+        raise VariantError(
+            "conv=True is not allowed for kernel 'commit': the conv state is rolled by verify, "
+            "commit never reads it; allowed values: [False]"
+        )
+    if v.kernel == "commit":
+        group = K // v.vec  # threads covering one state row
+        rows = K // v.row_split
+        if (rows * group) % v.threads or rows * group < v.threads:
+            raise VariantError(
+                f"threads={v.threads} does not divide the {rows * group} chunks of "
+                f"row_split={v.row_split} evenly"
+            )

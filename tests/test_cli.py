@@ -1,0 +1,95 @@
+"""The CLI through Typer's runner: every command, its output and its exit code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kdagen.cli import app
+
+runner = CliRunner()
+
+
+def _flat(text: str) -> str:
+    """Output without Rich's box drawing and line wrapping."""
+    return " ".join(text.replace("│", " ").split())
+
+
+def test_help_lists_the_pipeline() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("variants", "render", "compile", "check", "bench"):
+        assert command in result.output
+
+
+def test_variants_prints_count_constraints_and_names() -> None:
+    result = runner.invoke(app, ["variants", "--space", "commit.yaml"])
+    assert result.exit_code == 0, result.output
+    assert "space commit (commit): 264 variants from 288 points" in result.output
+    assert "removed   24: at most 16 update chunks per thread" in result.output
+    assert "commit-h12-q8-i32-bulk-t128-v8-r1-pdl" in result.output
+
+
+def test_variants_bad_space_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kernel: commit\ntuning: {warps: [1]}\n")
+    result = runner.invoke(app, ["variants", "--space", str(bad)])
+    assert result.exit_code != 0
+    assert "tuning.warps is not a tuning field" in _flat(result.output)
+
+
+def test_render_prints_the_module() -> None:
+    result = runner.invoke(app, ["render", "commit-h12-q8-i32-bulk-t128-v8-r1-pdl"])
+    assert result.exit_code == 0
+    assert result.output.startswith('"""KDA commit kernel, variant commit-h12-q8-i32-bulk-t128-v8-r1-pdl.')
+    assert "class KdaCommit:" in result.output
+
+
+def test_render_bad_name_says_why() -> None:
+    result = runner.invoke(app, ["render", "commit-h12-q9-i32-bulk-t128-v8-r1-pdl"])
+    assert result.exit_code != 0
+    assert "window=9 is not allowed" in _flat(result.output)
+
+
+def test_compile_prints_a_table_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KDAGEN_CACHE", str(tmp_path))
+    args = ["compile", "--arch", "sm_90a", "--arch", "sm_100a", "--match", "h12-q2-i64-bulk-t256-v8", "-j", "2"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "6 ok, 0 failed" in first.output
+    assert "commit-h12-q2-i64-bulk-t256-v8-r1-pdl  sm_100a" in first.output
+    second = runner.invoke(app, args)
+    assert second.output.count("ok (cached)") == 6
+
+
+def test_compile_failure_exits_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from kdagen import render
+
+    templates = tmp_path / "templates"
+    shutil.copytree(render.TEMPLATE_DIR, templates)
+    path = templates / "commit" / "bulk.py.j2"
+    path.write_text(path.read_text().replace("cute.arch.block_idx()", "cute.arch.not_an_op()"))
+    monkeypatch.setenv("KDAGEN_TEMPLATES", str(templates))
+    monkeypatch.setenv("KDAGEN_CACHE", str(tmp_path / "cache"))
+    result = runner.invoke(app, ["compile", "--match", "h12-q1-i32-bulk-t256-v8-r4", "-j", "1"])
+    assert result.exit_code == 1
+    assert "FAILED" in result.output and "not_an_op" in result.output
+
+
+def test_compile_rejects_unknown_arch() -> None:
+    result = runner.invoke(app, ["compile", "--arch", "sm_80"])
+    assert result.exit_code != 0
+    assert "allowed: ['sm_90a', 'sm_100a']" in _flat(result.output)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_gpu_commands_refuse_clearly_without_a_gpu(command: str) -> None:
+    result = runner.invoke(app, [command])
+    assert result.exit_code == 2
+    assert "needs a CUDA GPU" in result.output

@@ -1,0 +1,59 @@
+"""Rendering: every shipped variant renders to plain CuTe-DSL Python for its variant only."""
+
+from __future__ import annotations
+
+import ast
+
+import jinja2
+import pytest
+
+from kdagen.render import environment, render, template_digest
+from kdagen.space import default_variants
+from kdagen.variant import Variant
+
+VARIANTS = default_variants()
+
+
+def test_environment_is_strict() -> None:
+    assert environment().undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError):
+        environment().from_string("{{ variant.no_such_field }}").render(variant=VARIANTS[0])
+
+
+def test_every_shipped_variant_renders_to_valid_python() -> None:
+    for v in VARIANTS:
+        source = render(v)
+        ast.parse(source, filename=v.name)
+        assert v.name in source.splitlines()[0]
+        assert "{{" not in source and "{%" not in source
+
+
+def test_rendered_code_has_no_branches_for_other_variants() -> None:
+    on = render(Variant(kernel="commit", heads=12, window=8, pdl=True))
+    off = render(Variant(kernel="commit", heads=12, window=8, pdl=False))
+    assert "griddepcontrol_wait" in on and "griddepcontrol_wait" not in off
+    assert "use_pdl=False" in off
+    for source in (on, off):
+        # Constants are plain literals, not lookups of a variant object at run time.
+        assert "variant" not in source.split('"""', 2)[2]
+        assert "const_expr" not in source
+
+
+def test_constants_follow_the_variant() -> None:
+    source = render(Variant(kernel="commit", heads=32, window=4, threads=256, vec=4, row_split=2))
+    for line in ("H = 32", "Q = 4", "THREADS = 256", "VEC = 4", "ROW_SPLIT = 2"):
+        assert any(s.startswith(line) for s in source.splitlines()), line
+    assert "CHUNKS = ROWS // ROW_STEP" in source and "STATE_BYTES = ROWS * K * 2" in source
+
+
+def test_template_digest_changes_with_the_templates(tmp_path, monkeypatch) -> None:
+    from kdagen import render as render_module
+
+    before = template_digest("commit")
+    copy = tmp_path / "templates"
+    import shutil
+
+    shutil.copytree(render_module.TEMPLATE_DIR, copy)
+    (copy / "commit" / "bulk.py.j2").write_text("changed")
+    monkeypatch.setattr(render_module, "TEMPLATE_DIR", copy)
+    assert template_digest("commit") != before

@@ -1,0 +1,106 @@
+"""Run-time input validation: every bad input gets an error naming the tensor and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdagen.cases import CHECK_CASES, make_commit_inputs
+from kdagen.runtime import validate_commit
+from kdagen.validate import KdaInputError
+
+
+def _inputs(**changes: object) -> dict[str, object]:
+    inputs = make_commit_inputs(CHECK_CASES[2], heads=2, window=4, device="cpu")
+    inputs.update(changes)
+    return inputs
+
+
+def _validate(inputs: dict[str, object], **kwargs: object):
+    return validate_commit(**inputs, require_cuda=False, **kwargs)  # type: ignore[arg-type]
+
+
+def test_good_inputs_pass_and_resolve_a_variant() -> None:
+    launch = _validate(_inputs())
+    assert launch.variant.contract_key == "commit-h2-q4-i32"
+    assert launch.batch == 37 and launch.slot_stride == 2 * 128 * 128 + 512
+
+
+def test_cpu_state_is_refused_when_a_gpu_launch_is_asked_for() -> None:
+    with pytest.raises(KdaInputError, match="`state` must be on a CUDA device, got cpu"):
+        validate_commit(**_inputs())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "message"),
+    [
+        ("corr", lambda t: t.double(), "`corr` must be float32, got float64"),
+        ("corr", lambda t: t[:, :, :3].contiguous(), "`kg` must have shape [rows>=37, 2, 3, 256], got [40, 2, 4, 256]"),
+        ("corr", lambda t: t.transpose(2, 3).contiguous().transpose(2, 3), "`corr` must be contiguous"),
+        ("corr", lambda t: t[:10], "`corr` must have shape [rows>=37, 2, 4, 128], got [10, 2, 4, 128]"),
+        ("kg", lambda t: t.float(), "`kg` must be bfloat16, got float32"),
+        ("kg", lambda t: t[..., :128], "`kg` must have shape [rows>=37, 2, 4, 256]"),
+        ("a_log", lambda t: t[:1], "`a_log` must have shape [2], got [1]"),
+        ("dt_bias", lambda t: t.half(), "`dt_bias` must be float32, got float16"),
+        ("slots", lambda t: t.float(), "`slots` must be int32 or int64, got float32"),
+        ("accepted", lambda t: t[:5], "`accepted` must have shape [37], got [5]"),
+        ("accepted", lambda t: t.long(), "`accepted` must be int32, got int64"),
+        ("state", lambda t: t.float(), "`state` must be bfloat16, got float32"),
+        ("state", lambda t: t[:, :, :64], "`state` must have shape [slots>=1, H>=1, 128, 128]"),
+        ("state", lambda t: t.transpose(2, 3), "`state` must have strides [slot_stride, 16384, 128, 1]"),
+        ("state", lambda t: t.float().numpy(), "`state` must be a torch.Tensor, got ndarray"),
+    ],
+)
+def test_bad_tensor_is_named_with_expected_and_actual(name, bad, message) -> None:
+    inputs = _inputs()
+    inputs[name] = bad(inputs[name])  # type: ignore[operator]
+    with pytest.raises(KdaInputError) as err:
+        _validate(inputs)
+    assert message in str(err.value)
+
+
+def test_unaligned_corr_is_refused() -> None:
+    inputs = _inputs()
+    corr = inputs["corr"]
+    assert isinstance(corr, torch.Tensor)
+    flat = torch.empty(corr.numel() + 1)
+    inputs["corr"] = flat[1:].view(corr.shape)
+    with pytest.raises(KdaInputError, match="`corr` must start on a 16-byte boundary"):
+        _validate(inputs)
+
+
+def test_slot_stride_must_keep_rows_aligned() -> None:
+    pool = torch.zeros(4, 128 * 128 + 3, dtype=torch.bfloat16)
+    state = pool[:, : 128 * 128].view(4, 1, 128, 128)
+    inputs = make_commit_inputs(CHECK_CASES[1], heads=1, window=2, device="cpu")
+    inputs["state"] = state
+    with pytest.raises(KdaInputError, match="slot stride must be >= H\\*V\\*K = 16384 and a multiple of 8"):
+        _validate(inputs)
+
+
+def test_other_device_is_named() -> None:
+    inputs = _inputs(a_log=torch.zeros(2, device="meta"))
+    with pytest.raises(KdaInputError, match="`a_log` must be on cpu \\(like `state`\\), got meta"):
+        _validate(inputs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
+        ({"lower_bound": float("-inf")}, "`lower_bound` must be finite"),
+        ({"null_slot": 0.5}, "`null_slot` must be a Python int"),
+    ],
+)
+def test_bad_scalars(kwargs, message) -> None:
+    inputs = _inputs()
+    inputs.update(kwargs)
+    with pytest.raises(KdaInputError, match=message):
+        _validate(inputs)
+
+
+def test_explicit_variant_must_fit_the_tensors() -> None:
+    with pytest.raises(KdaInputError, match="window: variant has 8, tensors need 4"):
+        _validate(_inputs(), variant="commit-h2-q8-i32-bulk-t128-v8-r1-pdl")
+    launch = _validate(_inputs(), variant="commit-h2-q4-i32-bulk-t256-v8-r2-pdl")
+    assert launch.variant.threads == 256

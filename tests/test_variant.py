@@ -1,0 +1,72 @@
+"""Variant validation, naming and hashing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdagen.render import digest, render
+from kdagen.variant import Variant, VariantError
+
+BASE = dict(kernel="commit", heads=12, window=8)
+
+
+def test_name_is_readable_and_parses_back() -> None:
+    v = Variant(**BASE, slot_dtype="int64", threads=256, vec=4, row_split=2)
+    assert v.name == "commit-h12-q8-i64-bulk-t256-v4-r2-pdl"
+    assert Variant.parse(v.name) == v
+    assert v.contract_key == "commit-h12-q8-i64"
+
+
+def test_name_lists_only_the_tuning_fields_the_path_reads() -> None:
+    v = Variant(**BASE)
+    assert "-c" not in v.name.split("bulk")[1] and "st" not in v.name.split("bulk")[1]
+    assert set(v.tuning) == {"path", "threads", "vec", "row_split", "pdl"}
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "allowed"),
+    [
+        ({"window": 9}, "window", "[1, 8]"),
+        ({"window": 0}, "window", "[1, 8]"),
+        ({"kernel": "decode"}, "kernel", "'verify', 'commit'"),
+        ({"slot_dtype": "int16"}, "slot_dtype", "'int32', 'int64'"),
+        ({"threads": 96}, "threads", "32, 64, 128, 256, 512"),
+        ({"vec": 3}, "vec", "[4, 8]"),
+        ({"pdl": 1}, "pdl", "False, True"),
+        ({"heads": 0}, "heads", "[1, 256]"),
+        ({"conv": True}, "conv", "[False]"),
+        ({"path": "sm90_wgmma"}, "path", "bulk"),
+    ],
+)
+def test_validation_names_the_field_and_the_allowed_values(changes, field, allowed) -> None:
+    with pytest.raises(VariantError) as err:
+        Variant(**{**BASE, **changes})
+    assert field in str(err.value) and allowed in str(err.value)
+
+
+def test_cross_field_rules_of_the_commit_template() -> None:
+    with pytest.raises(VariantError, match="row_split=8"):
+        Variant(**BASE, threads=512, row_split=8)
+
+
+def test_parse_rejects_garbage_with_an_example() -> None:
+    with pytest.raises(VariantError, match="cannot parse variant name.*e.g."):
+        Variant.parse("commit-twelve-heads")
+    with pytest.raises(VariantError, match="unknown variant field"):
+        Variant.from_fields({**BASE, "warps": 4})
+
+
+def test_digest_is_stable_and_follows_the_rendered_source() -> None:
+    a, b = Variant(**BASE), Variant(**BASE)
+    assert digest(a) == digest(b) and len(digest(a)) == 16
+    c = a.replace(row_split=2)
+    assert render(c) != render(a) and digest(c) != digest(a)
+
+
+def test_digest_covers_the_dsl_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdagen import render as render_module
+
+    v = Variant(**BASE)
+    before = digest(v)
+    monkeypatch.setattr(render_module, "dsl_version", lambda: "9.9.9")
+    assert digest(v) != before

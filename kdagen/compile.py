@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import ctypes
-import functools
 import dataclasses
+import functools
 import importlib.util
 import json
 import multiprocessing

@@ -63,13 +63,14 @@ def launcher(variant: Variant, arch: str) -> Any:
 
 
 def default_commit_variant(heads: int, window: int, slot_dtype: str, batch: int) -> Variant:
-    """Built-in heuristic until a dispatch table is present: split the rows over more CTAs
-    when (request, head) items alone cannot fill the GPU."""
+    """Built-in heuristic until a dispatch table is present (the H200 sweep in
+    docs/perf-notes.md): split each (request, head) over more CTAs while the items alone
+    cannot keep every SM's copy engine busy."""
     items = batch * heads
-    row_split = 4 if items < 256 else 2 if items < 1024 else 1
+    threads, row_split = (128, 4) if items < 128 else (128, 2) if items < 384 else (256, 1)
     return Variant(
         kernel="commit", heads=heads, window=window, slot_dtype=slot_dtype,
-        path="bulk", threads=128, vec=4, row_split=row_split,
+        path="bulk", threads=threads, vec=4, row_split=row_split,
     )  # fmt: skip
 
 

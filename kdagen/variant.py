@@ -24,7 +24,7 @@ CONTRACT_FIELDS = (
     "state_dtype",
     "gate",
 )
-TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "stages", "pdl")
+TUNING_FIELDS = ("path", "threads", "vec", "row_split", "pdl")
 
 # Allowed values per field; ints with a range are checked by ``_RANGES``.
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -38,10 +38,9 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "threads": (32, 64, 128, 256, 512),
     "vec": (4, 8),  # a state row then spans 32 or 16 threads (within a warp)
     "row_split": (1, 2, 4, 8),
-    "stages": (1, 2, 3),
     "pdl": (False, True),
 }
-_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 8), "ctas": (0, 1 << 16)}
+_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 8)}
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,6 @@ _TUNING_TOKENS = (
     ("threads", "t"),
     ("vec", "v"),
     ("row_split", "r"),
-    ("ctas", "c"),
-    ("stages", "st"),
 )
 
 
@@ -101,8 +98,6 @@ class Variant:
     threads: int = 128
     vec: int = 8
     row_split: int = 1
-    ctas: int = 0
-    stages: int = 1
     pdl: bool = True
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@
 set -u
 out="${1:-${OUT:-/tmp/kdagen-out}}"
 mkdir -p "$out"
-source .devkit/install.sh >/dev/null || exit 1
+source .devkit/install.sh /tmp/kdagen-site >/dev/null || exit 1  # (sourcing would pass our $1 as its target)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KDAGEN_CACHE="${KDAGEN_CACHE:-/tmp/kdagen-cache}"
 kdagen() { python3 -m kdagen.cli "$@"; }

@@ -44,7 +44,9 @@ def test_variants_bad_space_file(tmp_path: Path) -> None:
 def test_render_prints_the_module() -> None:
     result = runner.invoke(app, ["render", "commit-h12-q8-i32-bulk-t128-v8-r1-pdl"])
     assert result.exit_code == 0
-    assert result.output.startswith('"""KDA commit kernel, variant commit-h12-q8-i32-bulk-t128-v8-r1-pdl.')
+    assert result.output.startswith(
+        '"""KDA commit kernel, variant commit-h12-q8-i32-bulk-t128-v8-r1-pdl.'
+    )
     assert "class KdaCommit:" in result.output
 
 
@@ -56,7 +58,17 @@ def test_render_bad_name_says_why() -> None:
 
 def test_compile_prints_a_table_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KDAGEN_CACHE", str(tmp_path))
-    args = ["compile", "--arch", "sm_90a", "--arch", "sm_100a", "--match", "h12-q2-i64-bulk-t256-v8", "-j", "2"]
+    args = [
+        "compile",
+        "--arch",
+        "sm_90a",
+        "--arch",
+        "sm_100a",
+        "--match",
+        "h12-q2-i64-bulk-t256-v8",
+        "-j",
+        "2",
+    ]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert "6 ok, 0 failed" in first.output

@@ -58,13 +58,15 @@ def test_second_compile_is_a_cache_hit(records, cache: Path) -> None:
 
 
 def test_commit_ptx_has_the_intended_memory_path(records, cache: Path) -> None:
-    """Bulk copies on mbarriers in (state, then Q corr and Q kg rows), 16-byte shared loads
-    and global stores out, PDL, no local memory."""
+    """Bulk copies on mbarriers in (Q corr and Q kg rows, then the state in 4 pieces),
+    16-byte shared loads and global stores out, PDL, no local memory."""
     v = Variant(kernel="commit", heads=12, window=8, threads=128, vec=8, row_split=1)
     ptx = (kcompile.variant_dir(v, cache) / "sm_90a" / "kernel.ptx").read_text()
-    bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx)
-    assert len(bulk) == 1 + 2 * 8
-    assert len(re.findall(r"mbarrier\.try_wait\.parity", ptx)) >= 2
+    bulk = re.findall(
+        r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx
+    )
+    assert len(bulk) == 2 * 8 + 4
+    assert len(re.findall(r"mbarrier\.try_wait\.parity", ptx)) >= 1 + 4
     assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 16  # 16 chunks of 8 bf16 per thread
     assert len(re.findall(r"ld\.shared\.v4\.b32", ptx)) >= 16
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
@@ -77,7 +79,10 @@ def test_a_failing_compile_is_a_result_not_a_crash(tmp_path: Path, monkeypatch) 
     path = templates / "commit" / "bulk.py.j2"
     path.write_text(path.read_text().replace("cute.arch.thread_idx()", "cute.arch.no_such_op()"))
     monkeypatch.setenv("KDAGEN_TEMPLATES", str(templates))
-    variants = [Variant(kernel="commit", heads=2, window=1), Variant(kernel="commit", heads=2, window=2)]
+    variants = [
+        Variant(kernel="commit", heads=2, window=1),
+        Variant(kernel="commit", heads=2, window=2),
+    ]
     records = kcompile.compile_many(variants, ["sm_90a"], jobs=1, root=tmp_path / "cache")
     assert [r.status for r in records] == ["error", "error"]
     assert all("no_such_op" in (r.error or "") for r in records)

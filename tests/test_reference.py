@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from oracle import conv_row, conv_token
 from torch import Tensor
 
 from kdagen import reference
@@ -36,24 +37,6 @@ F64 = torch.float64
 
 
 # --------------------------------------------------------------------------- oracle B
-
-
-def oracle_conv(win: list[Tensor], taps: Tensor) -> Tensor:
-    """One token of the width-4 conv + SiLU over channel vectors ``win[0..3]`` (bf16)."""
-    acc = torch.zeros(win[0].shape, dtype=torch.float32)
-    for j in range(4):
-        x, w = win[j].float(), taps[:, j].float()
-        if taps.dtype == torch.bfloat16:
-            acc = acc + (x * w).to(torch.bfloat16).float()
-        else:
-            # fp64 product (exact) + add, rounded once more to fp32: a double rounding, off
-            # from a true fma only when the fp64 sum is an exact fp32 midpoint (never here).
-            acc = (x.double() * w.double() + acc.double()).float()
-    return (acc / (1 + torch.exp(-acc))).to(torch.bfloat16)
-
-
-def conv_row(conv_state: Tensor, slot: int, row: int, dim_first: bool) -> Tensor:
-    return conv_state[slot, :, row] if dim_first else conv_state[slot, row]
 
 
 def oracle_verify(inp: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +66,7 @@ def oracle_verify(inp: dict[str, Any]) -> dict[str, Any]:
             first = int(inp["accepted"][b]) - 1
             hist = [conv_row(conv_state, slot, first + i, dim_first).clone() for i in range(3)]
             win = hist + raw
-            mixed = [oracle_conv(win[t : t + 4], conv_w) for t in range(qlen)]
+            mixed = [conv_token(win[t : t + 4], conv_w) for t in range(qlen)]
             for row, value in enumerate(hist[1:] + raw):
                 if dim_first:
                     new_conv[slot, :, row] = value

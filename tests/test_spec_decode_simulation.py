@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from oracle import conv_row, conv_token
 from torch import Tensor
 
 from kdagen import reference
@@ -21,18 +22,6 @@ from kdagen.testing import bits, is_poisoned, poison_
 
 K = 128
 F64 = torch.float64
-
-
-def conv_token(win: list[Tensor], taps: Tensor) -> Tensor:
-    """Width-4 conv + SiLU of one token (channel vectors, oldest first), the stock rounding."""
-    acc = torch.zeros(win[0].shape, dtype=torch.float32)
-    for j in range(4):
-        x, w = win[j].float(), taps[:, j].float()
-        if taps.dtype == torch.bfloat16:
-            acc = acc + (x * w).to(torch.bfloat16).float()
-        else:  # fp64 then fp32: a double rounding only at exact fp32 midpoints
-            acc = (x.double() * w.double() + acc.double()).float()
-    return (acc / (1 + torch.exp(-acc))).to(torch.bfloat16)
 
 
 @dataclass
@@ -74,10 +63,6 @@ class Request:
     accepted: int = 1
 
 
-def conv_rows(conv_state: Tensor, slot: int, rows: range, dim_first: bool) -> Tensor:
-    return conv_state[slot, :, list(rows)].T if dim_first else conv_state[slot, list(rows)]
-
-
 def simulate(
     *,
     heads: int,
@@ -117,7 +102,7 @@ def simulate(
         Request(
             slot=s,
             state=state[s].double(),
-            history=list(conv_rows(conv_state, s, range(3), dim_first).clone()),
+            history=[conv_row(conv_state, s, i, dim_first).clone() for i in range(3)],
         )
         for s in real
     ]
@@ -187,8 +172,8 @@ def simulate(
                 continue
             scale = req.state.abs().max()
             worst = max(worst, float((state[req.slot].double() - req.state).abs().max() / scale))
-            rows = conv_rows(
-                conv_state, req.slot, range(req.accepted - 1, req.accepted + 2), dim_first
+            rows = torch.stack(
+                [conv_row(conv_state, req.slot, req.accepted - 1 + i, dim_first) for i in range(3)]
             )
             assert (bits(rows) == bits(torch.stack(req.history[-3:]))).all(), "conv history"
         assert is_poisoned(pool[:, per_slot:]).all(), "slot padding written"

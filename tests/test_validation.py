@@ -35,9 +35,21 @@ def test_cpu_state_is_refused_when_a_gpu_launch_is_asked_for() -> None:
     ("name", "bad", "message"),
     [
         ("corr", lambda t: t.double(), "`corr` must be float32, got float64"),
-        ("corr", lambda t: t[:, :, :3].contiguous(), "`kg` must have shape [rows>=37, 2, 3, 256], got [40, 2, 4, 256]"),
-        ("corr", lambda t: t.transpose(2, 3).contiguous().transpose(2, 3), "`corr` must be contiguous"),
-        ("corr", lambda t: t[:10], "`corr` must have shape [rows>=37, 2, 4, 128], got [10, 2, 4, 128]"),
+        (
+            "corr",
+            lambda t: t[:, :, :3].contiguous(),
+            "`kg` must have shape [rows>=37, 2, 3, 256], got [40, 2, 4, 256]",
+        ),
+        (
+            "corr",
+            lambda t: t.transpose(2, 3).contiguous().transpose(2, 3),
+            "`corr` must be contiguous",
+        ),
+        (
+            "corr",
+            lambda t: t[:10],
+            "`corr` must have shape [rows>=37, 2, 4, 128], got [10, 2, 4, 128]",
+        ),
         ("kg", lambda t: t.float(), "`kg` must be bfloat16, got float32"),
         ("kg", lambda t: t[..., :128], "`kg` must have shape [rows>=37, 2, 4, 256]"),
         ("a_log", lambda t: t[:1], "`a_log` must have shape [2], got [1]"),
@@ -47,7 +59,11 @@ def test_cpu_state_is_refused_when_a_gpu_launch_is_asked_for() -> None:
         ("accepted", lambda t: t.long(), "`accepted` must be int32, got int64"),
         ("state", lambda t: t.float(), "`state` must be bfloat16, got float32"),
         ("state", lambda t: t[:, :, :64], "`state` must have shape [slots>=1, H>=1, 128, 128]"),
-        ("state", lambda t: t.transpose(2, 3), "`state` must have strides [slot_stride, 16384, 128, 1]"),
+        (
+            "state",
+            lambda t: t.transpose(2, 3),
+            "`state` must have strides [slot_stride, 16384, 128, 1]",
+        ),
         ("state", lambda t: t.float().numpy(), "`state` must be a torch.Tensor, got ndarray"),
     ],
 )
@@ -74,7 +90,9 @@ def test_slot_stride_must_keep_rows_aligned() -> None:
     state = pool[:, : 128 * 128].view(4, 1, 128, 128)
     inputs = make_commit_inputs(CHECK_CASES[1], heads=1, window=2, device="cpu")
     inputs["state"] = state
-    with pytest.raises(KdaInputError, match="slot stride must be >= H\\*V\\*K = 16384 and a multiple of 8"):
+    with pytest.raises(
+        KdaInputError, match="slot stride must be >= H\\*V\\*K = 16384 and a multiple of 8"
+    ):
         _validate(inputs)
 
 

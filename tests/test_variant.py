@@ -17,10 +17,11 @@ def test_name_is_readable_and_parses_back() -> None:
     assert v.contract_key == "commit-h12-q8-i64"
 
 
-def test_name_lists_only_the_tuning_fields_the_path_reads() -> None:
-    v = Variant(**BASE)
-    assert "-c" not in v.name.split("bulk")[1] and "st" not in v.name.split("bulk")[1]
+def test_contract_and_tuning_fields_are_separate() -> None:
+    v = Variant(**BASE, threads=256, row_split=4)
     assert set(v.tuning) == {"path", "threads", "vec", "row_split", "pdl"}
+    assert v.contract["heads"] == 12 and "threads" not in v.contract
+    assert v.contract_key == v.replace(threads=128, row_split=1).contract_key
 
 
 @pytest.mark.parametrize(

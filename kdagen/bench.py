@@ -90,7 +90,13 @@ def time_graph(launches: Sequence[Callable[[], None]]) -> Timing:
 def commit_bytes(batch: int, heads: int, window: int) -> int:
     """What a commit must move with every request live and the whole window accepted:
     the state block read and written, corr rows (fp32) and kg rows (bf16) read."""
-    per_item = 2 * K * K * 2 + window * K * 4 + window * 2 * K * 2
+    return commit_footprint(batch, heads, window) + batch * heads * K * K * 2
+
+
+def commit_footprint(batch: int, heads: int, window: int) -> int:
+    """Distinct bytes one commit input set touches (the state is read and written in place):
+    the size that decides how many sets keep L2 cold."""
+    per_item = K * K * 2 + window * K * 4 + window * 2 * K * 2
     return batch * heads * per_item + batch * 8
 
 
@@ -153,7 +159,7 @@ def bench_commit(
         case = CommitCase(f"bench-{batch}", batch, full_accept=True)
         sets = [
             make_commit_inputs(case, heads, window, slot_dtype, seed + i)
-            for i in range(sets_for(moved + batch * K * K * 2 * heads))
+            for i in range(sets_for(commit_footprint(batch, heads, window)))
         ]
         floor_us = moved / bandwidth * 1e6
         torch_us = None

@@ -41,10 +41,43 @@ def commit_params(variant: Variant) -> tuple[Param, ...]:
     )
 
 
+def verify_params(variant: Variant) -> tuple[Param, ...]:
+    conv = (
+        (
+            Param("conv_state", "ptr", "bf16", 2),
+            Param("conv_w", "ptr", variant.conv_weight_dtype, 8),
+            Param("accepted", "ptr", "int32", 4),
+        )
+        if variant.conv
+        else ()
+    )
+    return (
+        Param("qkv", "ptr", "bf16", 16),
+        Param("raw_g", "ptr", "bf16", 16),
+        Param("raw_beta", "ptr", "bf16", 2),
+        Param("a_log", "ptr", "fp32", 4),
+        Param("dt_bias", "ptr", "fp32", 4),
+        Param("state", "ptr", "bf16", 16),
+        Param("corr", "ptr", "fp32", 16),
+        Param("kg", "ptr", "bf16", 16),
+        Param("out", "ptr", "bf16", 16),
+        Param("query_start", "ptr", "int32", 4),
+        Param("slots", "ptr", variant.slot_dtype, 4),
+        *conv,
+        Param("counter", "ptr", "int32", 4),
+        Param("tokens", "i32"),
+        Param("batch", "i32"),
+        Param("rows", "i32"),
+        Param("slot_count", "i32"),
+        Param("slot_stride", "i64"),
+        Param("lower_bound", "f32"),
+        Param("null_slot", "i64"),
+        Param("stream", "stream"),
+    )
+
+
 def params(variant: Variant) -> tuple[Param, ...]:
-    if variant.kernel == "commit":
-        return commit_params(variant)
-    raise NotImplementedError(f"no host signature for kernel {variant.kernel!r} yet")
+    return commit_params(variant) if variant.kernel == "commit" else verify_params(variant)
 
 
 def _cutlass_dtype(name: str) -> Any:

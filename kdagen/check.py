@@ -103,7 +103,27 @@ def check_commit(variant: Variant, seed: int = 0) -> list[CaseResult]:
     return [run_commit_case(variant, case, seed + i) for i, case in enumerate(CHECK_CASES)]
 
 
+STATIC_ONLY = (
+    "sm_100a variants are statically verified (compiled and their PTX inspected, "
+    "tests/test_sm100.py) untuned defaults"
+)
+
+
+def gpu_refusal(variant: Variant, arch: str) -> str | None:
+    """Why ``variant`` cannot run on a GPU of ``arch`` (None when it can)."""
+    if arch not in variant.spec.archs:
+        return (
+            f"{variant.name}: refused: path {variant.path!r} targets "
+            f"{', '.join(variant.spec.archs)}, this GPU is {arch}; {STATIC_ONLY}"
+        )
+    if variant.kernel != "commit":
+        return (
+            f"{variant.name}: refused: no GPU check or benchmark for kernel "
+            f"{variant.kernel!r} yet (they come with the run-time verify API)"
+        )
+    return None
+
+
 def check_variant(variant: Variant, seed: int = 0) -> list[CaseResult]:
-    if variant.kernel == "commit":
-        return check_commit(variant, seed)
-    raise NotImplementedError(f"no GPU check for kernel {variant.kernel!r} yet")
+    """All GPU check cases of a runnable variant (see ``gpu_refusal``)."""
+    return check_commit(variant, seed)

@@ -56,6 +56,10 @@ def variants(
             f"space {loaded.name} ({loaded.kernel}): {len(expansion.variants)} variants "
             f"from {expansion.points} points"
         )
+        if expansion.variants and all(v.spec.archs == ("sm_100a",) for v in expansion.variants):
+            typer.echo(
+                "  sm_100a only: statically verified (compiled and inspected), untuned defaults"
+            )
         for reason, count in expansion.removed.most_common():
             typer.echo(f"  removed {count:4d}: {reason}")
         if names:
@@ -106,21 +110,54 @@ def compile(
         f"{'variant':<{width}}  {'arch':<7} {'sec':>6} {'regs':>5} {'frame':>5} {'smem':>6}  status"
     )
     for r in records:
+        if r.status == "skipped":
+            continue
         status = ("ok (cached)" if r.cached else "ok") if r.ok else "FAILED"
+        if r.static_only:
+            status += ", static only"
         typer.echo(
             f"{r.variant:<{width}}  {r.arch:<7} {r.seconds:>6.2f} {_num(r.registers):>5} "
             f"{_num(r.frame_bytes):>5} {_num(r.smem_bytes):>6}  {status}"
         )
-    failed = [r for r in records if not r.ok]
+    failed = [r for r in records if r.failed]
+    skipped = [r for r in records if r.status == "skipped"]
     for r in failed:
         typer.echo(f"\n{r.variant} [{r.arch}] failed:\n{r.error}", err=True)
-    typer.echo(f"{len(records) - len(failed)} ok, {len(failed)} failed")
+    summary = f"{len(records) - len(failed) - len(skipped)} ok, {len(failed)} failed"
+    if skipped:
+        summary += f", {len(skipped)} skipped (their path targets another arch)"
+    typer.echo(summary)
+    if any(r.static_only for r in records):
+        typer.echo(
+            "static only: no sm_100 GPU has run the sm_100a builds; they are compiled and "
+            "inspected (tests/test_sm100.py), untuned defaults"
+        )
     if failed:
         raise typer.Exit(1)
 
 
 def _num(value: int | None) -> str:
     return "-" if value is None else str(value)
+
+
+def _runnable(variants: list[Variant]) -> tuple[str, list[Variant]]:
+    """The variants this GPU can run; the others are listed as refused, with why. Exits with
+    status 2 when none is left."""
+    from kdagen import runtime
+    from kdagen.check import gpu_refusal
+
+    arch = runtime.device_arch()
+    refusals = [(v, gpu_refusal(v, arch)) for v in variants]
+    refused = [why for _, why in refusals if why]
+    for why in refused[:5]:
+        typer.echo(why)
+    if len(refused) > 5:
+        typer.echo(f"... and {len(refused) - 5} more refused for the same reasons")
+    runnable = [v for v, why in refusals if not why]
+    if not runnable:
+        typer.echo(f"kdagen: nothing to run on this {arch} GPU", err=True)
+        raise typer.Exit(2)
+    return arch, runnable
 
 
 def _require_gpu() -> None:
@@ -141,11 +178,9 @@ def check(
     """Run every variant on the GPU against the fp64 reference, edge cases included."""
     _require_gpu()
     from kdagen.check import check_variant
-    from kdagen.runtime import device_arch
 
     seed = random.randrange(1 << 30) if seed is None else seed
-    arch = device_arch()
-    selected = [v for v in _filter(_variants(space), match) if arch in v.spec.archs]
+    arch, selected = _runnable(_filter(_variants(space), match))
     typer.echo(f"checking {len(selected)} variants on {arch}, seed {seed}")
     results = []
     failed = set()
@@ -185,12 +220,13 @@ def bench(
     _require_gpu()
     from kdagen.bench import bench_commit, copy_bandwidth, rows_as_dicts
 
-    chosen = [
+    candidates = [
         v for v in _filter(_variants(space), match)
-        if v.kernel == "commit" and v.heads == heads and v.window == window and v.slot_dtype == "int32"
+        if v.heads == heads and v.window == window and v.slot_dtype == "int32"
     ]  # fmt: skip
-    if not chosen:
-        raise typer.BadParameter(f"no commit variants with H={heads}, Q={window} in the space")
+    if not candidates:
+        raise typer.BadParameter(f"no variants with H={heads}, Q={window} in the space")
+    _, chosen = _runnable(candidates)
     bw = copy_bandwidth()
     typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {len(chosen)} variants")
     rows = bench_commit(chosen, [int(b) for b in batches.split(",")], bw, with_torch=not no_torch)

@@ -30,7 +30,7 @@ from kdagen.render import digest, render
 from kdagen.variant import Variant
 
 ARCHS = ("sm_90a", "sm_100a")
-_KERNEL_CLASSES = {"commit": "KdaCommit", "verify": "KdaVerify"}
+_KERNEL_CLASSES = {"commit": "KdaCommit", "verify": "KdaTcVerify"}
 
 
 def cache_root() -> Path:
@@ -44,7 +44,7 @@ class CompileRecord:
     variant: str
     arch: str
     digest: str
-    status: str  # "ok" or "error"
+    status: str  # "ok", "error", or "skipped" (the variant's path does not target the arch)
     seconds: float
     registers: int | None = None
     frame_bytes: int | None = None  # stack frame: non-zero means spills or local arrays
@@ -55,6 +55,15 @@ class CompileRecord:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "error"
+
+    @property
+    def static_only(self) -> bool:
+        """Compiled for an arch no GPU of ours runs (sm_100a): verified by inspection only."""
+        return self.ok and self.arch == "sm_100a"
 
 
 def variant_dir(variant: Variant, root: Path | None = None) -> Path:
@@ -210,9 +219,11 @@ def compile_many(
         for v in variants:
             if arch not in v.spec.archs:
                 records.append(
-                    CompileRecord(v.name, arch, digest(v), "error", 0.0,
-                                  error=f"path {v.path!r} does not target {arch}")
+                    CompileRecord(v.name, arch, digest(v), "skipped", 0.0,
+                                  error=f"path {v.path!r} targets {', '.join(v.spec.archs)}")
                 )  # fmt: skip
+        if not supported:
+            continue
         with futures.ProcessPoolExecutor(
             max_workers=min(jobs, max(1, len(supported))),
             mp_context=context,

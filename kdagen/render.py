@@ -38,6 +38,10 @@ def environment() -> jinja2.Environment:
 def _context(variant: Variant) -> dict[str, object]:
     """Values the templates read besides the variant itself, derived once here."""
     context: dict[str, object] = {"variant": variant, "template_path": variant.spec.template}
+    if variant.kernel == "verify":
+        context["conv"] = variant.conv
+        context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
+        context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context
 
 
@@ -57,10 +61,19 @@ def dsl_version() -> str:
         return str(getattr(cutlass, "__version__", "unknown"))
 
 
+@functools.cache
+def helpers_source() -> bytes:
+    """The device helpers rendered kernels import (kdagen/dsl): part of every digest."""
+    root = Path(__file__).resolve().parent / "dsl"
+    return b"".join(path.read_bytes() for path in sorted(root.glob("*.py")))
+
+
 def digest(variant: Variant) -> str:
-    """Content hash: the rendered source and the DSL version that compiles it."""
+    """Content hash: the rendered source, the device helpers it imports and the DSL version
+    that compiles it."""
     h = hashlib.sha256()
     h.update(render(variant).encode())
+    h.update(b"\0helpers\0" + helpers_source())
     h.update(b"\0nvidia-cutlass-dsl=" + dsl_version().encode())
     return h.hexdigest()[:16]
 
@@ -73,4 +86,5 @@ def template_digest(kernel: str | None = None) -> str:
         rel = path.relative_to(root).as_posix()
         if kernel is None or rel.startswith((f"{kernel}/", "common/")):
             h.update(rel.encode() + b"\0" + path.read_bytes())
+    h.update(helpers_source())
     return h.hexdigest()[:16]

@@ -24,7 +24,7 @@ CONTRACT_FIELDS = (
     "state_dtype",
     "gate",
 )
-TUNING_FIELDS = ("path", "threads", "vec", "row_split", "pdl")
+TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "pdl")
 
 # Allowed values per field; ints with a range are checked by ``_RANGES``.
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -40,7 +40,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "row_split": (1, 2, 4, 8),
     "pdl": (False, True),
 }
-_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 8)}
+_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 8), "ctas": (1, 1 << 16)}
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,14 @@ PATHS: dict[str, dict[str, PathSpec]] = {
             tuning=("threads", "vec", "row_split", "pdl"),
         ),
     },
-    "verify": {},
+    "verify": {
+        # The seed: tcgen05 MMAs into TMEM, persistent grid with a work counter (sm_100a).
+        "sm100_tcgen05": PathSpec(
+            template="verify/sm100_tcgen05.py.j2",
+            archs=("sm_100a",),
+            tuning=("ctas",),
+        ),
+    },
 }
 
 _SHORT = {"token_major": "tm", "dim_first": "df", "int32": "i32", "int64": "i64"}
@@ -72,6 +79,7 @@ _TUNING_TOKENS = (
     ("threads", "t"),
     ("vec", "v"),
     ("row_split", "r"),
+    ("ctas", "c"),
 )
 
 
@@ -94,13 +102,16 @@ class Variant:
     state_dtype: str = "bf16"
     gate: str = "kda"
     # ---- tuning ----
-    path: str = "bulk"
+    path: str = ""  # "": the kernel's first path in PATHS
     threads: int = 128
     vec: int = 8
     row_split: int = 1
+    ctas: int = 740  # persistent grid bound: resident CTAs per SM x SMs (B200: 5 x 148)
     pdl: bool = True
 
     def __post_init__(self) -> None:
+        if self.path == "" and self.kernel in PATHS and PATHS[self.kernel]:
+            object.__setattr__(self, "path", next(iter(PATHS[self.kernel])))
         for f in fields(self):
             _check_field(f.name, getattr(self, f.name))
         paths = PATHS[self.kernel]
@@ -218,16 +229,26 @@ def _check_field(name: str, value: Any) -> None:
 
 def _check_path_rules(v: Variant) -> None:
     """Cross-field rules of each kernel path (what its template can express)."""
+    if not v.conv and (v.conv_layout, v.conv_weight_dtype) != ("token_major", "bf16"):
+        raise VariantError(
+            f"conv_layout={v.conv_layout!r}, conv_weight_dtype={v.conv_weight_dtype!r} only "
+            "apply with conv=True; without conv leave them at 'token_major', 'bf16'"
+        )
     if v.kernel == "commit" and v.conv:
         raise VariantError(
             "conv=True is not allowed for kernel 'commit': the conv state is rolled by verify, "
             "commit never reads it; allowed values: [False]"
         )
     if v.kernel == "commit":
-        group = K // v.vec  # threads covering one state row
-        rows = K // v.row_split
-        if (rows * group) % v.threads or rows * group < v.threads:
-            raise VariantError(
-                f"threads={v.threads} does not divide the {rows * group} chunks of "
-                f"row_split={v.row_split} evenly"
-            )
+        _check_commit_rules(v)
+
+
+def _check_commit_rules(v: Variant) -> None:
+    """The bulk path spreads a CTA's rows over whole row groups of K / vec threads."""
+    group = K // v.vec  # threads covering one state row
+    rows = K // v.row_split
+    if (rows * group) % v.threads or rows * group < v.threads:
+        raise VariantError(
+            f"threads={v.threads} does not divide the {rows * group} chunks of "
+            f"row_split={v.row_split} evenly"
+        )

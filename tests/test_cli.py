@@ -105,3 +105,19 @@ def test_gpu_commands_refuse_clearly_without_a_gpu(command: str) -> None:
     result = runner.invoke(app, [command])
     assert result.exit_code == 2
     assert "needs a CUDA GPU" in result.output
+
+
+def test_check_refuses_sm100_variants_on_another_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kdagen.cli
+    import kdagen.runtime
+
+    monkeypatch.setattr(kdagen.cli, "_require_gpu", lambda: None)
+    monkeypatch.setattr(kdagen.runtime, "device_arch", lambda device=None: "sm_90a")
+    result = runner.invoke(app, ["check", "--space", "verify_sm100.yaml", "--match", "h12-q8-i32"])
+    assert result.exit_code == 2
+    text = _flat(result.output)
+    assert (
+        "verify-h12-q8-i32-sm100_tcgen05-c740: refused: path 'sm100_tcgen05' targets sm_100a"
+        in text
+    )
+    assert "statically verified" in text and "nothing to run on this sm_90a GPU" in text

@@ -60,3 +60,23 @@ def test_template_digest_changes_with_the_templates(tmp_path, monkeypatch) -> No
     (copy / "commit" / "bulk.py.j2").write_text("changed")
     monkeypatch.setattr(render_module, "TEMPLATE_DIR", copy)
     assert template_digest("commit") != before
+
+
+def test_verify_renders_only_its_conv_settings() -> None:
+    off = render(Variant(kernel="verify", heads=12, window=8))
+    dim_first = render(
+        Variant(
+            kernel="verify",
+            heads=12,
+            window=8,
+            conv=True,
+            conv_layout="dim_first",
+            conv_weight_dtype="fp32",
+        )  # fmt: skip
+    )
+    assert "conv_state" not in off and "load_words" not in off
+    assert "conv_state[slot, channel, first + i]" in dim_first
+    assert "conv_state[slot, first + i, channel]" not in dim_first
+    assert "taps32" in dim_first and "load_words" not in dim_first
+    for source in (off, dim_first):
+        assert "self.conv" not in source  # no trace-time switches on the variant

@@ -1,0 +1,117 @@
+"""Blackwell (sm_100a) tensor-core helpers for the verify kernel: TMEM, UMMA descriptors,
+``tcgen05.mma`` and ``tcgen05.ld``, and the no-swizzle K-major shared-memory layouts.
+
+Constants (K = V = 128 head dim; THREADS: thread c owns channel c and state row c):
+- PROBES = 16: the MMA's N, room for 2Q <= 16 probe columns (p_t then r_t).
+- A_KGROUP_BYTES: bytes between K groups of 8 in the state (A) tile: one 16-byte row per
+  state row, so a whole 128-row group.
+- B_KGROUP_BYTES: the same for the probe (B) tile: PROBES rows of 16 bytes.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from kdagen.dsl.common import ptx_outputs
+
+K = 128
+THREADS = K
+PROBES = 16
+CORE_ROW_BYTES = 16  # a core matrix row: 8 bf16 of one K group
+A_KGROUP_BYTES = K * CORE_ROW_BYTES
+B_KGROUP_BYTES = PROBES * CORE_ROW_BYTES
+TMEM_COLUMNS = 32  # the smallest allocation; the accumulator uses PROBES fp32 columns
+# Instruction descriptor of tcgen05.mma kind::f16: fp32 accumulate, bf16 A and B, both
+# K-major, M = 128, N = PROBES (the value prims.Tcgen05InstrDesc.build gives).
+INSTR_DESC = 0x08040490
+
+
+def state_smem_layout() -> cute.Layout:
+    """The state tile (V rows x K) in the no-swizzle K-major UMMA layout: row v's 8-element
+    K group g at byte g * A_KGROUP_BYTES + v * 16."""
+    return cute.make_layout((K, (8, K // 8)), stride=(8, (1, A_KGROUP_BYTES // 2)))
+
+
+@cute.jit
+def smem_desc(
+    address: Int32, leading_bytes: cutlass.Constexpr[int], stride_bytes: cutlass.Constexpr[int]
+) -> Int64:
+    """A no-swizzle UMMA shared-memory descriptor: start address, leading byte offset (between
+    K groups), stride byte offset (between 8-row core matrices), version 1."""
+    start = (Int64(address) >> 4) & Int64(0x3FFF)
+    return (
+        start
+        | Int64((leading_bytes >> 4) << 16)
+        | Int64((stride_bytes >> 4) << 32)
+        | Int64(1 << 46)
+    )
+
+
+@cute.jit
+def umma(tmem: Int32, a_desc: Int64, b_desc: Int64, accumulate: cutlass.Constexpr[int]):
+    """One ``tcgen05.mma.cta_group::1.kind::f16`` (M 128, N PROBES, K 16) into TMEM; issued by
+    one thread."""
+    cute.arch.inline_ptx(
+        "{\n .reg .pred p;\n setp.ne.b32 p, {$r4}, 0;\n"
+        " tcgen05.mma.cta_group::1.kind::f16 [{$r0}], {$r1}, {$r2}, {$r3}, p;\n}",
+        read_only_args=[tmem, a_desc, b_desc, Int32(INSTR_DESC), Int32(accumulate)],
+    )
+
+
+@cute.jit
+def umma_commit(barrier: cute.Pointer):
+    """Arrive on ``barrier`` once every MMA this thread issued has completed."""
+    cute.arch.inline_ptx(
+        "tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [{$r0}];",
+        read_only_args=[Int32(barrier.toint())],
+    )
+
+
+@cute.jit
+def tmem_alloc(destination: cute.Pointer):
+    """Warp-collective: allocate TMEM_COLUMNS columns, the address written to ``destination``."""
+    cute.arch.inline_ptx(
+        "tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [{$r0}], {$r1};",
+        read_only_args=[Int32(destination.toint()), Int32(TMEM_COLUMNS)],
+    )
+
+
+@cute.jit
+def tmem_relinquish():
+    """Warp-collective: let other CTAs on this SM allocate TMEM (ours is taken)."""
+    cute.arch.inline_ptx("tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;")
+
+
+@cute.jit
+def tmem_dealloc(tmem: Int32):
+    """Warp-collective: free the CTA's TMEM columns."""
+    cute.arch.inline_ptx(
+        "tcgen05.dealloc.cta_group::1.sync.aligned.b32 {$r0}, {$r1};",
+        read_only_args=[tmem, Int32(TMEM_COLUMNS)],
+    )
+
+
+@cute.jit
+def tmem_load_row(address: Int32) -> tuple:
+    """Warp-collective ``tcgen05.ld.32x32b.x16``: lane l gets the PROBES fp32 columns of TMEM
+    lane (address >> 16) + l, i.e. its state row's projections."""
+    return cute.arch.inline_ptx(
+        "tcgen05.ld.sync.aligned.32x32b.x16.b32 {" + ptx_outputs(PROBES) + "}, [{$r0}];\n"
+        "tcgen05.wait::ld.sync.aligned;",
+        write_only_types=[Float32] * PROBES,
+        read_only_args=[address],
+    )
+
+
+@cute.jit
+def tc_fence_before():
+    """Order tcgen05 operations before the next thread barrier."""
+    cute.arch.inline_ptx("tcgen05.fence::before_thread_sync;")
+
+
+@cute.jit
+def tc_fence_after():
+    """Order tcgen05 operations after the last thread barrier."""
+    cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")

@@ -1,0 +1,355 @@
+"""The sm100 tensor-core verify kernel's arithmetic, emulated in torch (any device).
+
+``kdagen.reference.verify`` states *what* verify computes (fp64 by default); this module computes
+the same outputs *the way* ``shared/seed/kda_tc_verify_sm100.py`` does: fp32 throughout, the
+closed form with one projection ``S0 @ [p | r]`` of bf16 hi/lo probe halves, the kernel's warp
+reduction trees and its operation order in the forward solve. It is the yardstick for the first
+Blackwell run: the GPU kernel should land within fp32 rounding of :func:`verify_like_sm100`, and
+both should sit within :func:`expected_error` of the fp64 reference, measured by
+:func:`relative_errors`. A GPU result much worse than that points at a kernel bug, not at the
+algorithm (the tests measure the algorithm's own error here, on CPU).
+
+Not bit-exact with the GPU, on purpose and unavoidably:
+
+- the tensor cores accumulate each 16-deep MMA in their own order (and internal width); here each
+  MMA is an fp32 matmul, accumulated MMA by MMA in the kernel's issue order;
+- ``exp``/``rsqrt``/``sigmoid`` use torch's fp32 functions, not the GPU's approximate units;
+- ptxas may contract a ``mul`` + ``add`` pair the seed writes separately into one fma.
+
+So agreement with the GPU is to fp32 rounding, not bitwise. The bf16 ``kg`` record and the conv
+state are exact on both sides (they only move or round bf16 data through the contract's fixed
+rounding points).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kdagen.reference import (
+    CONV_WIDTH,
+    NORM_EPS,
+    K,
+    Requests,
+    V,
+    conv_window_outputs,
+    fma_f32,
+    request_layout,
+)
+
+__all__ = [
+    "EXPECTED_ERROR",
+    "expected_error",
+    "relative_errors",
+    "verify_like_sm100",
+]
+
+WARP = 32  # lanes per warp; thread c owns channel c, so warp w sums channels 32w..32w+31
+MMA_K = 16  # K depth of one bf16 UMMA; the kernel issues K / MMA_K steps x (hi, lo)
+F32 = torch.float32
+BF16 = torch.bfloat16
+
+# Error of the sm100 algorithm against the fp64 reference (``relative_errors`` metrics, over the
+# written elements), as tests/test_emulate.py measures it (12 cases x 5 seeds: ragged windows,
+# null slots, conv layouts and tap dtypes, no-decay gates), with 2-4x margin. ``out`` is set by
+# its bf16 store: half an ulp is 2^-8 relative at worst, 2^-9 at best. ``corr`` is fp32; its
+# floor is the hi/lo split (hi + lo keeps x to ~2^-17), worst with no decay, where the state term
+# S0 p is largest. bf16 probes alone (hi only) measure 3e-4 rel L2, 0.1 max.
+EXPECTED_ERROR: dict[str, float] = {
+    "out_rel_l2": 4e-3,  # measured <= 2.0e-3
+    "out_max_rel": 8e-3,  # measured <= 3.9e-3 (= 2^-8)
+    "corr_rel_l2": 2e-6,  # measured <= 4.5e-7
+    "corr_max_rel": 4e-4,  # measured <= 1.1e-4 (near-zero elements, 1% rms floor)
+}
+
+
+def expected_error() -> dict[str, float]:
+    """Bounds the tensor-core path should meet against the fp64 ``reference.verify``.
+
+    Keys ``out_rel_l2, out_max_rel, corr_rel_l2, corr_max_rel``, each to compare with
+    :func:`relative_errors` over the written elements. A copy, so callers may edit it.
+    """
+    return dict(EXPECTED_ERROR)
+
+
+def relative_errors(got: Tensor, want: Tensor) -> dict[str, float]:
+    """``rel_l2 = ||got - want|| / ||want||`` and ``max_rel = max |got - want| / (|want| + 0.01 rms)``.
+
+    The max metric is the one ``kdagen.check`` uses: a small floor (1% of the rms) keeps elements
+    near zero from turning rounding noise into huge relative errors. Computed in fp64.
+    """
+    got, want = got.double().flatten(), want.double().flatten()
+    if want.numel() == 0:
+        return {"rel_l2": 0.0, "max_rel": 0.0}
+    diff = (got - want).abs()
+    floor = 1e-2 * want.pow(2).mean().sqrt()
+    return {
+        "rel_l2": float(diff.norm() / want.norm().clamp_min(1e-300)),
+        "max_rel": float((diff / (want.abs() + floor).clamp_min(1e-300)).max()),
+    }
+
+
+# --------------------------------------------------------------------------- fp32 pieces
+
+
+def _f32(value: float, like: Tensor) -> Tensor:
+    """A kernel ``Float32(value)`` constant: rounded to fp32 once, so torch never widens it."""
+    return torch.tensor(value, dtype=F32, device=like.device)
+
+
+def _sigmoid(x: Tensor) -> Tensor:
+    """``1 / (1 + exp(-x))`` in fp32, the form the kernels write (not torch's fused sigmoid)."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def _warp_sum(x: Tensor) -> Tensor:
+    """Sum over the last dim (K channels) in the kernel's order, fp32.
+
+    Each warp reduces its 32 channels with xor-butterfly shuffles at offsets 16, 8, 4, 2, 1 (both
+    ``warp_sum`` and the coupling reduce-scatter): lanes l and l^16 add, then l^8, ..., i.e. the
+    vector is folded in half five times. fp32 addition is commutative, so every lane of a pair
+    gets the same bits. The four warp partials are then added as ``(w0 + w1) + (w2 + w3)``.
+    """
+    x = x.unflatten(-1, (x.shape[-1] // WARP, WARP))
+    width = WARP
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width : 2 * width]
+    w = x[..., 0]
+    return (w[..., 0] + w[..., 1]) + (w[..., 2] + w[..., 3])
+
+
+def _bf16_split(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``hi = bf16(x)``, ``lo = bf16(x - hi)``: ``x - hi`` is exact, so ``hi + lo`` keeps ~16 bits."""
+    hi = x.to(BF16)
+    return hi, (x - hi.float()).to(BF16)
+
+
+def _project(s0: Tensor, probes: Tensor) -> Tensor:
+    """``S0 @ probes^T`` as the UMMAs compute it: ``[..., V, K] x [..., N, K] -> [..., V, N]``.
+
+    bf16 x bf16 products are exact in fp32; each 16-deep MMA is an fp32 matmul here, accumulated in
+    the kernel's issue order (K step 0 hi, step 0 lo, step 1 hi, ...). Within one MMA the tensor
+    core's order differs, so this matches the GPU to fp32 rounding, not bitwise.
+    """
+    halves = _bf16_split(probes)
+    state = s0.float()
+    acc = torch.zeros(*s0.shape[:-1], probes.shape[-2], dtype=F32, device=s0.device)
+    for kt in range(0, K, MMA_K):
+        a = state[..., kt : kt + MMA_K]
+        for half in halves:
+            acc = acc + a @ half[..., kt : kt + MMA_K].float().transpose(-1, -2)
+    return acc
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def _activations(
+    qkv: Tensor,
+    req: Requests,
+    conv: tuple[Tensor, Tensor, Tensor] | None,
+    dim_first: bool,
+) -> Tensor:
+    """The window's q, k, v channels, ``[B, Q, 3HK]`` bf16, post-conv when ``conv`` is given.
+
+    Positions past ``qlen`` repeat the last token, as the seed loads them; their outputs are
+    masked later (q = k = 0, beta = 0), never read by positions before them.
+    """
+    raw = qkv[req.rows]
+    if conv is None:
+        return raw
+    conv_state, conv_w, accepted = conv
+    window = raw.shape[1]
+    first = torch.where(req.live, accepted.long() - 1, 0)
+    if req.live.any() and (first[req.live].min() < 0 or first[req.live].max() >= window):
+        raise ValueError(f"accepted: expected live values in [1, {window}], got {accepted}")
+    rows = first[:, None] + torch.arange(CONV_WIDTH - 1, device=raw.device)  # [B, 3]
+    slot = req.slot[:, None]
+    hist = conv_state[slot, :, rows] if dim_first else conv_state[slot, rows]  # [B, 3, C]
+    mixed = conv_window_outputs(torch.cat([hist, raw], dim=1), conv_w)
+    _roll_conv_state(conv_state, req, hist, raw, dim_first)
+    return mixed
+
+
+def _roll_conv_state(
+    conv_state: Tensor, req: Requests, hist: Tensor, raw: Tensor, dim_first: bool
+) -> None:
+    """Live requests' conv rows become ``hist[1], hist[2]``, then raw tokens ``t < qlen``."""
+    rolled = torch.cat([hist[:, 1:], raw], dim=1)  # [B, Q + 2, C]
+    row = torch.arange(rolled.shape[1], device=raw.device)
+    write = req.live[:, None] & (row[None, :] < 2 + req.qlen[:, None])
+    b_idx, r_idx = torch.nonzero(write, as_tuple=True)
+    if dim_first:
+        conv_state[req.slot[b_idx], :, r_idx] = rolled[b_idx, r_idx]
+    else:
+        conv_state[req.slot[b_idx], r_idx] = rolled[b_idx, r_idx]
+
+
+def _log_decay(
+    g_raw: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float
+) -> tuple[Tensor, Tensor]:
+    """``logs[..., t, :] = G_t`` (fp32, cumulated one token at a time like the kernel) and the
+    matching ``exp(G_t)``. ``g_raw`` is ``[B, H, Q, K]`` bf16.
+
+    Not ``torch.cumsum``: on CPU it accumulates fp32 in double.
+    """
+    heads = a_log.shape[0]
+    rate = torch.exp(a_log.float())[:, None, None]  # [H, 1, 1]
+    bias = dt_bias.float().view(heads, 1, K)
+    gates = _f32(lower_bound, g_raw) * _sigmoid(rate * (g_raw.float() + bias))
+    cum = torch.zeros_like(gates[..., 0, :])
+    logs = []
+    for t in range(gates.shape[-2]):
+        cum = cum + gates[..., t, :]
+        logs.append(cum)
+    logs = torch.stack(logs, dim=-2)
+    return logs, torch.exp(logs)
+
+
+def _normalise(x: Tensor, scale: float | None = None) -> Tensor:
+    """``x * rsqrt(sum x^2 + 1e-6) [* scale]`` over channels, fp32, the kernel's reduction tree."""
+    x = x.float()
+    sq = _warp_sum(x * x)[..., None]
+    y = x * torch.rsqrt(sq + _f32(NORM_EPS, x))
+    return y if scale is None else y * _f32(scale, x)
+
+
+def _couplings(w: Tensor, p: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """``c[..., t, i] = w_i . p_t`` (i < t) and ``d[..., t, i] = w_i . r_t`` (i <= t), fp32.
+
+    Each channel's product is rounded to fp32, then summed over channels with the kernel's tree;
+    entries outside the triangles are zeroed (the kernel never computes them).
+    """
+    window = w.shape[-2]
+    pos = torch.arange(window, device=w.device)
+    below = pos[:, None] > pos[None, :]
+    c = _warp_sum(w[..., None, :, :] * p[..., :, None, :])
+    d = _warp_sum(w[..., None, :, :] * r[..., :, None, :])
+    return torch.where(below, c, 0.0), torch.where(below | (pos[:, None] == pos[None, :]), d, 0.0)
+
+
+def _solve(v: Tensor, beta: Tensor, proj: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward solve every thread runs on its state row, vectorised over rows: ``(u, o)``.
+
+    ``v [..., Q, V]``, ``beta [..., Q]``, ``proj [..., V, 2Q]`` (S0 p_t, then S0 r_t),
+    ``c, d [..., Q, Q]``. Operation order as the seed: ``acc = v - S0 p``, subtract
+    ``c_ti * u_i`` (fp32 mul, then sub) for i < t, ``u = beta * acc``, then
+    ``o = fma(d_ti, u_i, o)`` from ``o = S0 r`` for i <= t (``fma_f32`` is a correctly rounded
+    fp32 fma, like ``fma.rn.f32``).
+    """
+    window = v.shape[-2]
+    us: list[Tensor] = []
+    os: list[Tensor] = []
+    for t in range(window):
+        acc = v[..., t, :] - proj[..., t]
+        for i in range(t):
+            acc = acc - c[..., t, i, None] * us[i]
+        us.append(beta[..., t, None] * acc)
+        o = proj[..., window + t]
+        for i in range(t + 1):
+            o = fma_f32(d[..., t, i, None], us[i], o)
+        os.append(o)
+    return torch.stack(us, dim=-2), torch.stack(os, dim=-2)
+
+
+def _store(
+    req: Requests,
+    u: Tensor,
+    o: Tensor,
+    record: Tensor,
+    out: Tensor,
+    corr: Tensor,
+    kg: Tensor,
+) -> None:
+    """Write only what the contract allows: ``out`` rows of every token (zeros for padding
+    requests), ``corr`` / ``kg`` rows of live requests' tokens. ``u, o`` are ``[B, H, Q, V]``,
+    ``record`` ``[B, Q, H, 2K]``."""
+    b_idx, t_idx = torch.nonzero(req.tokens, as_tuple=True)
+    rows = o[b_idx, :, t_idx]  # [N, H, V]
+    rows = torch.where(req.valid[b_idx, None, None], rows, 0.0)
+    out[req.bos[b_idx] + t_idx] = rows.reshape(rows.shape[0], -1).to(out.dtype)
+    b_idx, t_idx = torch.nonzero(req.tokens & req.live[:, None], as_tuple=True)
+    corr[b_idx, :, t_idx] = u[b_idx, :, t_idx].to(corr.dtype)
+    kg[b_idx, :, t_idx] = record[b_idx, t_idx]
+
+
+def _check_inputs(
+    state: Tensor, corr: Tensor, kg: Tensor, conv: tuple[Tensor | None, ...], heads: int
+) -> None:
+    """The checks the emulation itself relies on; ``reference.verify`` validates the rest."""
+    if state.dtype != BF16 or tuple(state.shape[1:]) != (heads, V, K):
+        got = f"{state.dtype} {tuple(state.shape)}"
+        raise ValueError(f"state: expected bf16 [slots, {heads}, {V}, {K}], got {got}")
+    if not 1 <= corr.shape[2] <= 8:
+        raise ValueError(f"corr: expected a window (dim 2) in [1, 8], got {corr.shape[2]}")
+    if kg.dtype != BF16:
+        raise ValueError(f"kg: expected bf16, got {kg.dtype}")
+    given = [x is not None for x in conv]
+    if any(given) and not all(given):
+        raise ValueError("conv_state, conv_w and accepted go together")
+
+
+def _check_slots(req: Requests, num_slots: int, name: str) -> None:
+    used = req.slot[req.live]
+    if used.numel() and (used.min() < 0 or used.max() >= num_slots):
+        raise ValueError(f"{name}: expected live slots in [0, {num_slots}), got {used.tolist()}")
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify_like_sm100(
+    qkv: Tensor,
+    raw_g: Tensor,
+    raw_beta: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    query_start: Tensor,
+    slots: Tensor,
+    out: Tensor,
+    corr: Tensor,
+    kg: Tensor,
+    *,
+    lower_bound: float,
+    null_slot: int,
+    conv_state: Tensor | None = None,
+    conv_w: Tensor | None = None,
+    accepted: Tensor | None = None,
+    conv_dim_first: bool = False,
+) -> None:
+    """Same contract and in-place writes as ``kdagen.reference.verify`` (same argument names),
+    computed like the sm100 kernel: fp32 throughout, gates cumulated token by token, norms and
+    coupling scalars summed with the kernel's warp trees, ``S0 @ [p | r]`` from bf16 hi/lo probe
+    halves accumulated in fp32, and the seed's forward solve. ``state`` must be bf16 (the kernel
+    feeds it to the tensor cores as is). See the module docstring for what is not bit-exact."""
+    conv = (conv_state, conv_w, accepted)
+    heads, window, batch = a_log.shape[0], corr.shape[2], slots.shape[0]
+    _check_inputs(state, corr, kg, conv, heads)
+    req = request_layout(query_start, slots, null_slot, window, qkv.shape[0])
+    if batch == 0 or not req.tokens.any():
+        return
+    _check_slots(req, state.shape[0], "slots")
+    if conv[0] is not None:
+        _check_slots(req, conv[0].shape[0], "slots (conv_state)")
+    mixed = _activations(qkv, req, None if conv[0] is None else conv, conv_dim_first)
+
+    def heads_first(x: Tensor) -> Tensor:  # [B, Q, H*K] -> [B, H, Q, K]
+        return x.unflatten(-1, (heads, K)).transpose(1, 2)
+
+    here = req.tokens[:, None, :, None]  # [B, 1, Q, 1]
+    q, k, v = (heads_first(x) for x in mixed.chunk(3, dim=-1))
+    g_raw = heads_first(raw_g[req.rows])
+    logs, decay = _log_decay(g_raw, a_log, dt_bias, lower_bound)
+    q_n = _normalise(torch.where(here, q, 0.0), scale=K**-0.5)
+    k_n = _normalise(torch.where(here, k, 0.0))
+    beta = _sigmoid(raw_beta[req.rows].float()).transpose(1, 2)  # [B, H, Q]
+    beta = torch.where(req.tokens[:, None, :], beta, 0.0)
+    p, r = decay * k_n, decay * q_n
+    w = torch.exp(-logs) * k_n
+    proj = _project(state[req.slot], torch.cat([p, r], dim=-2))
+    c, d = _couplings(w, p, r)
+    u, o = _solve(v.float(), beta, proj, c, d)
+    record = torch.cat([k, g_raw], dim=-1).transpose(1, 2)  # [B, Q, H, 2K], bf16
+    _store(req, u, o, record, out, corr, kg)

@@ -209,11 +209,17 @@ def compile_many(
     """Compile every (variant, arch) in ``jobs`` spawned worker processes (0: one per CPU).
 
     Spawned, not forked: the DSL's MLIR context does not survive a fork. A worker that dies
-    (a crash in the compiler) turns into an error record for its variant.
+    (a crash in the compiler) breaks its pool; the variants in flight then are compiled
+    again one per process, so only the one that crashes is recorded as an error.
     """
     jobs = jobs or os.cpu_count() or 1
     records: list[CompileRecord] = []
-    context = multiprocessing.get_context("spawn")
+
+    def report(record: CompileRecord) -> None:
+        records.append(record)
+        if on_result:
+            on_result(record)
+
     for arch in archs:
         supported = [v for v in variants if arch in v.spec.archs]
         for v in variants:
@@ -222,29 +228,48 @@ def compile_many(
                     CompileRecord(v.name, arch, digest(v), "skipped", 0.0,
                                   error=f"path {v.path!r} targets {', '.join(v.spec.archs)}")
                 )  # fmt: skip
-        if not supported:
-            continue
-        with futures.ProcessPoolExecutor(
-            max_workers=min(jobs, max(1, len(supported))),
-            mp_context=context,
-            initializer=_worker_init,
-            initargs=(arch,),
-        ) as pool:
-            pending = {
-                pool.submit(_worker_compile, v.name, arch, str(root) if root else None, force): v
-                for v in supported
-            }
-            for done in futures.as_completed(pending):
-                v = pending[done]
-                try:
-                    record = done.result()
-                except Exception as err:  # the worker itself died
-                    record = CompileRecord(
-                        v.name, arch, digest(v), "error", 0.0, error=f"worker died: {err!r}"
-                    )
-                records.append(record)
-                if on_result:
-                    on_result(record)
+        lost = _compile_in_pool(supported, arch, jobs, root, force, report)
+        for v in lost:  # one process each: a crash now names its variant
+            _compile_in_pool([v], arch, 1, root, force, report, crashed_is_error=True)
     order = {v.name: i for i, v in enumerate(variants)}
     records.sort(key=lambda r: (order.get(r.variant, 0), r.arch))
     return records
+
+
+def _compile_in_pool(
+    variants: Sequence[Variant],
+    arch: str,
+    jobs: int,
+    root: Path | None,
+    force: bool,
+    report: Callable[[CompileRecord], None],
+    crashed_is_error: bool = False,
+) -> list[Variant]:
+    """Compile ``variants`` in one pool; returns those lost to a dead worker (unless
+    ``crashed_is_error``, which records them as errors instead)."""
+    if not variants:
+        return []
+    lost: list[Variant] = []
+    with futures.ProcessPoolExecutor(
+        max_workers=min(jobs, len(variants)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(arch,),
+    ) as pool:
+        pending = {
+            pool.submit(_worker_compile, v.name, arch, str(root) if root else None, force): v
+            for v in variants
+        }
+        for done in futures.as_completed(pending):
+            v = pending[done]
+            try:
+                report(done.result())
+            except futures.process.BrokenProcessPool as err:
+                if not crashed_is_error:
+                    lost.append(v)
+                    continue
+                report(
+                    CompileRecord(v.name, arch, digest(v), "error", 0.0,
+                                  error=f"the compiler process died: {err}")
+                )  # fmt: skip
+    return lost

@@ -106,3 +106,19 @@ def test_commit_sass_uses_bulk_copies_and_wide_accesses(records, cache: Path) ->
     assert len(re.findall(r"\bUBLKCP\.S\.G\b", sass)) == 2 * 8 + 4
     assert re.search(r"\bLDS\.128\b", sass) and re.search(r"\bSTG\.E\.128\b", sass)
     assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+def test_a_crashing_compiler_process_costs_only_its_variant(tmp_path: Path, monkeypatch) -> None:
+    """A worker that dies mid-compile (here: the rendered module exits the process at import
+    for Q = 1) breaks its pool; the other variants still compile."""
+    templates = tmp_path / "templates"
+    shutil.copytree(kcompile.__file__.rsplit("/kdagen/", 1)[0] + "/templates", templates)
+    path = templates / "commit" / "bulk.py.j2"
+    crash = "{% if variant.window == 1 %}\nimport os\nos._exit(3)\n{% endif %}\n"
+    path.write_text(path.read_text().replace("\nK = 128", "\n" + crash + "K = 128", 1))
+    monkeypatch.setenv("KDAGEN_TEMPLATES", str(templates))
+    variants = [Variant(kernel="commit", heads=2, window=q, row_split=4) for q in (1, 2, 3)]
+    records = kcompile.compile_many(variants, ["sm_90a"], jobs=2, root=tmp_path / "cache")
+    status = {r.variant.split("-")[2]: (r.status, r.error or "") for r in records}
+    assert status["q1"][0] == "error" and "process died" in status["q1"][1]
+    assert status["q2"][0] == "ok" and status["q3"][0] == "ok"

@@ -157,7 +157,12 @@ class Variant:
 
     @property
     def contract_summary(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.contract.items())
+        """The contract fields that mean something for this kernel (conv settings only with
+        conv, and never for commit, which does not read the conv state)."""
+        unused = {"kernel"} | ({"conv"} if self.kernel == "commit" else set())
+        if not self.conv:
+            unused |= {"conv_layout", "conv_weight_dtype"}
+        return ", ".join(f"{k}={v}" for k, v in self.contract.items() if k not in unused)
 
     @property
     def tuning_summary(self) -> str:

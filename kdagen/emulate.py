@@ -31,10 +31,11 @@ from kdagen.reference import (
     NORM_EPS,
     K,
     Requests,
-    V,
+    check_live_slots,
     conv_window_outputs,
     fma_f32,
     request_layout,
+    validate_verify,
 )
 
 __all__ = [
@@ -274,28 +275,6 @@ def _store(
     kg[b_idx, :, t_idx] = record[b_idx, t_idx]
 
 
-def _check_inputs(
-    state: Tensor, corr: Tensor, kg: Tensor, conv: tuple[Tensor | None, ...], heads: int
-) -> None:
-    """The checks the emulation itself relies on; ``reference.verify`` validates the rest."""
-    if state.dtype != BF16 or tuple(state.shape[1:]) != (heads, V, K):
-        got = f"{state.dtype} {tuple(state.shape)}"
-        raise ValueError(f"state: expected bf16 [slots, {heads}, {V}, {K}], got {got}")
-    if not 1 <= corr.shape[2] <= 8:
-        raise ValueError(f"corr: expected a window (dim 2) in [1, 8], got {corr.shape[2]}")
-    if kg.dtype != BF16:
-        raise ValueError(f"kg: expected bf16, got {kg.dtype}")
-    given = [x is not None for x in conv]
-    if any(given) and not all(given):
-        raise ValueError("conv_state, conv_w and accepted go together")
-
-
-def _check_slots(req: Requests, num_slots: int, name: str) -> None:
-    used = req.slot[req.live]
-    if used.numel() and (used.min() < 0 or used.max() >= num_slots):
-        raise ValueError(f"{name}: expected live slots in [0, {num_slots}), got {used.tolist()}")
-
-
 # --------------------------------------------------------------------------- verify
 
 
@@ -326,13 +305,17 @@ def verify_like_sm100(
     feeds it to the tensor cores as is). See the module docstring for what is not bit-exact."""
     conv = (conv_state, conv_w, accepted)
     heads, window, batch = a_log.shape[0], corr.shape[2], slots.shape[0]
-    _check_inputs(state, corr, kg, conv, heads)
+    validate_verify(
+        qkv, raw_g, raw_beta, a_log, dt_bias, state, out, corr, kg, batch, conv, conv_dim_first
+    )
+    if state.dtype != BF16:  # the tensor cores read the pool as it is
+        raise ValueError(f"state: expected bf16 (the kernel's pool dtype), got {state.dtype}")
     req = request_layout(query_start, slots, null_slot, window, qkv.shape[0])
     if batch == 0 or not req.tokens.any():
         return
-    _check_slots(req, state.shape[0], "slots")
+    check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
     if conv[0] is not None:
-        _check_slots(req, conv[0].shape[0], "slots (conv_state)")
+        check_live_slots("slots", req.slot, req.live, conv[0].shape[0], unique=True)
     mixed = _activations(qkv, req, None if conv[0] is None else conv, conv_dim_first)
 
     def heads_first(x: Tensor) -> Tensor:  # [B, Q, H*K] -> [B, H, Q, K]

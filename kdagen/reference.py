@@ -273,7 +273,8 @@ def request_layout(
     )
 
 
-def _check_live_slots(name: str, slot: Tensor, live: Tensor, num_slots: int, unique: bool) -> None:
+def check_live_slots(name: str, slot: Tensor, live: Tensor, num_slots: int, unique: bool) -> None:
+    """Live requests' slots index the pool; with ``unique`` (slots written) no two share one."""
     used = slot[live]
     if used.numel() and (used.min() < 0 or used.max() >= num_slots):
         _fail(name, "live slots in", f"[0, {num_slots})", used.tolist())
@@ -326,7 +327,7 @@ def _convolve_and_roll(
 # --------------------------------------------------------------------------- verify
 
 
-def _validate_verify(
+def validate_verify(
     qkv: Tensor,
     raw_g: Tensor,
     raw_beta: Tensor,
@@ -340,6 +341,7 @@ def _validate_verify(
     conv: tuple[Tensor | None, Tensor | None, Tensor | None],
     conv_dim_first: bool,
 ) -> None:
+    """Shapes and dtypes of verify's tensors (raises ValueError naming the tensor)."""
     heads, window = a_log.shape[0], corr.shape[2]
     tokens = qkv.shape[0]
     _check_shape("qkv", qkv, (tokens, 3 * heads * K))
@@ -412,18 +414,18 @@ def verify(
     [slots, 3HK, Q+2] conv-state layout, else token-major [slots, Q+2, 3HK]."""
     heads, window, batch = a_log.shape[0], corr.shape[2], slots.shape[0]
     conv = (conv_state, conv_w, accepted)
-    _validate_verify(
+    validate_verify(
         qkv, raw_g, raw_beta, a_log, dt_bias, state, out, corr, kg, batch, conv, conv_dim_first
     )
     req = request_layout(query_start, slots, null_slot, window, qkv.shape[0])
     if batch == 0 or not req.tokens.any():
         return
-    _check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
+    check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
     here = req.tokens[:, :, None]  # [B, Q, 1]: masks token positions past qlen
 
     raw = torch.where(here, qkv[req.rows], 0.0)  # [B, Q, 3HK] bf16
     if conv_state is not None:
-        _check_live_slots("slots", req.slot, req.live, conv_state.shape[0], unique=True)
+        check_live_slots("slots", req.slot, req.live, conv_state.shape[0], unique=True)
         mixed = _convolve_and_roll(raw, req, conv_state, conv_w, accepted, conv_dim_first)
         mixed = torch.where(here, mixed, 0.0)  # outputs past qlen exist only as zeros
     else:
@@ -519,7 +521,7 @@ def commit(
         return
     if count[live].max() > window:
         _fail("accepted", "values <=", window, count[live].tolist())
-    _check_live_slots("slots", slot, live, state.shape[0], unique=True)
+    check_live_slots("slots", slot, live, state.shape[0], unique=True)
     sel = torch.nonzero(live, as_tuple=True)[0]
     slot, count = slot[sel], count[sel]
     keep = (torch.arange(window, device=kg.device) < count[:, None])[:, None, :, None]  # N,1,Q,1

@@ -8,3 +8,10 @@ def commit(*args, **kwargs):  # noqa: ANN002, ANN003 - forwards to the run-time 
     from kdagen.runtime import commit as run
 
     return run(*args, **kwargs)
+
+
+def verify(*args, **kwargs):  # noqa: ANN002, ANN003 - forwards to the run-time API
+    """See ``kdagen.runtime.verify`` (imported lazily: the CLI need not load torch)."""
+    from kdagen.runtime import verify as run
+
+    return run(*args, **kwargs)

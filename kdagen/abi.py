@@ -51,8 +51,12 @@ def verify_params(variant: Variant) -> tuple[Param, ...]:
         if variant.conv
         else ()
     )
+    # q, k and v are separate pointers with one row stride: channel blocks of a fused
+    # [T, 3HK] projection (stride 3HK) or separate [T, H, K] tensors (stride HK), no copy.
     return (
-        Param("qkv", "ptr", "bf16", 16),
+        Param("q", "ptr", "bf16", 16),
+        Param("k", "ptr", "bf16", 16),
+        Param("v", "ptr", "bf16", 16),
         Param("raw_g", "ptr", "bf16", 16),
         Param("raw_beta", "ptr", "bf16", 2),
         Param("a_log", "ptr", "fp32", 4),
@@ -66,8 +70,12 @@ def verify_params(variant: Variant) -> tuple[Param, ...]:
         *conv,
         Param("counter", "ptr", "int32", 4),
         Param("tokens", "i32"),
+        Param("act_stride", "i32"),
         Param("batch", "i32"),
         Param("rows", "i32"),
+        # 0: request b's corr/kg records go to row b (the semantics page); 1: to row slots[b]
+        # (vLLM's correction and key/gate caches are per state block).
+        Param("records_by_slot", "i32"),
         Param("slot_count", "i32"),
         Param("slot_stride", "i64"),
         Param("lower_bound", "f32"),

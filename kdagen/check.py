@@ -33,6 +33,17 @@ class CaseResult:
     error: str = ""
 
     @property
+    def score(self) -> float:
+        return self.max_rel / COMMIT_MAX_REL
+
+    def summary(self) -> str:
+        return (
+            f"max_rel {self.max_rel:.2e} rel_l2 {self.rel_l2:.2e} max_abs {self.max_abs:.2e}"
+            f" untouched {'ok' if self.untouched_ok else 'CHANGED'}"
+            f" repeat {'same' if self.deterministic else 'DIFFERS'}"
+        )
+
+    @property
     def passed(self) -> bool:
         return (
             not self.error
@@ -116,14 +127,15 @@ def gpu_refusal(variant: Variant, arch: str) -> str | None:
             f"{variant.name}: refused: path {variant.path!r} targets "
             f"{', '.join(variant.spec.archs)}, this GPU is {arch}; {STATIC_ONLY}"
         )
-    if variant.kernel != "commit":
-        return (
-            f"{variant.name}: refused: no GPU check or benchmark for kernel "
-            f"{variant.kernel!r} yet (they come with the run-time verify API)"
-        )
     return None
 
 
-def check_variant(variant: Variant, seed: int = 0) -> list[CaseResult]:
-    """All GPU check cases of a runnable variant (see ``gpu_refusal``)."""
+def check_variant(variant: Variant, seed: int = 0) -> list:
+    """All GPU check cases of a runnable variant (see ``gpu_refusal``): a list of
+    ``CaseResult`` (commit) or ``VerifyCaseResult`` (verify), each with ``passed``,
+    ``score`` (worst first) and ``summary()``."""
+    if variant.kernel == "verify":
+        from kdagen.check_verify import check_verify
+
+        return check_verify(variant, seed)
     return check_commit(variant, seed)

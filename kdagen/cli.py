@@ -174,28 +174,34 @@ def check(
     match: str = typer.Option(None, help="only variants whose name contains this"),
     seed: int = typer.Option(None, help="input seed (default: random, printed)"),
     json_out: Path = typer.Option(None, "--json", help="write every case result here"),
+    shard: str = typer.Option(
+        "0/1",
+        help="K/N: check every N-th variant from the K-th (run "
+        "N processes to overlap their host-side reference work)",
+    ),
 ) -> None:
     """Run every variant on the GPU against the fp64 reference, edge cases included."""
     _require_gpu()
     from kdagen.check import check_variant
 
     seed = random.randrange(1 << 30) if seed is None else seed
-    arch, selected = _runnable(_filter(_variants(space), match))
+    try:
+        index, count = (int(x) for x in shard.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        raise typer.BadParameter(f"--shard must be K/N with 0 <= K < N, got {shard!r}") from None
+    arch, selected = _runnable(_filter(_variants(space), match)[index::count])
     typer.echo(f"checking {len(selected)} variants on {arch}, seed {seed}")
     results = []
     failed = set()
     for v in selected:
         cases = check_variant(v, seed)
         results += cases
-        worst = max(cases, key=lambda c: (not c.passed, c.max_rel))
+        worst = max(cases, key=lambda c: (not c.passed, c.score))
         ok = all(c.passed for c in cases)
         if not ok:
             failed.add(v.name)
-        detail = worst.error or (
-            f"max_rel {worst.max_rel:.2e} rel_l2 {worst.rel_l2:.2e} max_abs {worst.max_abs:.2e}"
-            f" untouched {'ok' if worst.untouched_ok else 'CHANGED'}"
-            f" repeat {'same' if worst.deterministic else 'DIFFERS'}"
-        )
+        detail = worst.error or worst.summary()
         typer.echo(
             f"{'PASS' if ok else 'FAIL'}  {v.name}  ({len(cases)} cases; worst {worst.case}: {detail})"
         )
@@ -208,43 +214,142 @@ def check(
 
 @app.command()
 def bench(
-    space: list[str] = typer.Option(["commit.yaml"], "--space", "-s", help=SPACE_HELP),
+    kernel: str = typer.Option(
+        None, help="verify or commit (default: the kernel of --space, else commit)"
+    ),
+    space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
     heads: int = typer.Option(12, help="heads H"),
     window: int = typer.Option(8, help="window Q"),
     batches: str = typer.Option("1,4,16,64,256,512", help="comma-separated batch sizes"),
+    conv: bool = typer.Option(False, "--conv/--no-conv", help="verify with the fused conv"),
+    conv_layout: str = typer.Option("token_major", help="with --conv: token_major or dim_first"),
+    conv_weights: str = typer.Option("bf16", help="with --conv: tap dtype, bf16 or fp32"),
     match: str = typer.Option(None, help="only variants whose name contains this"),
-    no_torch: bool = typer.Option(False, help="skip the plain-torch baseline"),
-    out: Path = typer.Option(None, help="write the rows as JSON here"),
+    peers: bool = typer.Option(
+        True, "--peers/--no-peers", help="time the peers too (verify: flashinfer; commit: torch)"
+    ),
+    no_torch: bool = typer.Option(False, "--no-torch", help="commit: same as --no-peers"),
+    seed: int = typer.Option(0, help="input seed"),
+    out: Path = typer.Option(
+        None, help="rows as JSON here, CSV and SVG plot beside it (default: out/bench/KEY.json)"
+    ),
 ) -> None:
-    """Time commit variants of one contract key over a batch sweep (cold L2, CUDA graphs)."""
+    """Time verify or commit variants of one contract key over a batch sweep (cold L2, CUDA
+    graphs, the method of docs/anchors.md) against the HBM floor and the peers."""
     _require_gpu()
-    from kdagen.bench import bench_commit, copy_bandwidth, rows_as_dicts
+    from kdagen import bench as kbench
 
+    chosen_kernel = _bench_kernel(kernel, space)
+    wanted = {"kernel": chosen_kernel, "heads": heads, "window": window, "slot_dtype": "int32"}
+    if chosen_kernel == "verify":
+        wanted |= {"conv": conv}
+        if conv:
+            wanted |= {"conv_layout": conv_layout, "conv_weight_dtype": conv_weights}
+    elif conv:
+        raise typer.BadParameter("--conv applies to verify only (commit never reads the conv)")
     candidates = [
         v for v in _filter(_variants(space), match)
-        if v.heads == heads and v.window == window and v.slot_dtype == "int32"
+        if all(getattr(v, k) == value for k, value in wanted.items())
     ]  # fmt: skip
     if not candidates:
-        raise typer.BadParameter(f"no variants with H={heads}, Q={window} in the space")
-    _, chosen = _runnable(candidates)
-    bw = copy_bandwidth()
-    typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {len(chosen)} variants")
-    rows = bench_commit(chosen, [int(b) for b in batches.split(",")], bw, with_torch=not no_torch)
-    if out:
-        out.write_text(json.dumps({"copy_bandwidth": bw, "rows": rows_as_dicts(rows)}, indent=1))
-    best: dict[int, object] = {}
-    for r in rows:
-        if r.batch not in best or r.median_us < best[r.batch].median_us:  # type: ignore[attr-defined]
-            best[r.batch] = r
+        detail = ", ".join(f"{k}={value}" for k, value in wanted.items())
+        raise typer.BadParameter(f"no variants with {detail} in the space")
+    arch, chosen = _runnable(candidates)
+    sizes = [int(b) for b in batches.split(",")]
+    bw = kbench.copy_bandwidth()
+    typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {len(chosen)} variants on {arch}")
+    peers = peers and not (chosen_kernel == "commit" and no_torch)
+    peer_note = _bench_peer_note(chosen_kernel, peers)
+    typer.echo(f"peer: {peer_note}")
+    if chosen_kernel == "verify":
+        rows: list = kbench.bench_verify(chosen, sizes, bw, peers=peers, seed=seed)
+    else:
+        rows = kbench.bench_commit(chosen, sizes, bw, with_torch=peers, seed=seed)
+    key = chosen[0].contract_key
+    path = out or Path("out") / "bench" / f"{key}.json"
+    header = _bench_header(chosen_kernel, key, arch, bw, peer_note)
+    json_path, csv_path = kbench.write_results(path, header, rows)
+    title = f"{key}: latency vs batch (cold L2, median of {kbench.TIMED_REPLAYS} replays)"
+    svg_path = kbench.plot_results(rows, chosen_kernel, title, path.with_suffix(".svg"))
+    _bench_table(rows, heads, chosen_kernel, conv)
+    typer.echo(f"wrote {json_path}, {csv_path}, {svg_path}")
+
+
+def _bench_kernel(kernel: str | None, space: list[str] | None) -> str:
+    """--kernel, else the one kernel the given spaces hold, else commit."""
+    if kernel is not None:
+        if kernel not in ("verify", "commit"):
+            raise typer.BadParameter(f"--kernel {kernel!r}: allowed: verify, commit")
+        return kernel
+    if not space:
+        return "commit"
+    kinds = {v.kernel for v in _variants(space)}
+    if len(kinds) != 1:
+        raise typer.BadParameter(f"the spaces hold {sorted(kinds)} kernels: pick one with --kernel")
+    return kinds.pop()
+
+
+def _bench_peer_note(kernel: str, peers: bool) -> str:
+    if not peers:
+        return "none (--no-peers)"
+    if kernel == "commit":
+        return "plain torch (gather, fp32 math, scatter)"
+    from kdagen.peers import flashinfer_verify
+
+    return flashinfer_verify().note
+
+
+def _bench_header(kernel: str, key: str, arch: str, bw: float, peer_note: str) -> dict:
+    import torch
+
+    from kdagen import bench as kbench
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "kernel": kernel,
+        "contract_key": key,
+        "device": props.name,
+        "arch": arch,
+        "torch": torch.__version__,
+        "copy_bandwidth": bw,
+        "method": {
+            "l2_bytes": props.L2_cache_size,
+            "sets": "ceil(3 x L2 / bytes one set touches), at most " + str(kbench.MAX_SETS),
+            "warmup_replays": kbench.WARMUP_REPLAYS,
+            "timed_replays": kbench.TIMED_REPLAYS,
+            "time": "graph replay / sets; median, p10, p90 over replays",
+            "floor": "bytes a launch must move / copy_bandwidth",
+        },
+        "peer": peer_note,
+    }
+
+
+def _bench_table(rows: list, heads: int, kernel: str, conv: bool) -> None:
+    """The best variant per batch against the floor and the peer."""
+    from kdagen.bench import PEER_FIELDS, best_per_batch
+
+    ((label, field),) = PEER_FIELDS[kernel].items()
+    name = label.split()[-1][:10]
     typer.echo(
-        f"{'B':>5} {'B*H':>6} {'floor us':>9} {'best us':>9} {'spread%':>8} {'%floor':>7} {'torch us':>9}  best variant"
+        f"{'B':>5} {'B*H':>6} {'floor us':>9} {'best us':>9} {'spread%':>8} {'%floor':>7} "
+        f"{name + ' us':>13} {'speedup':>8}  best variant"
     )
-    for b, r in sorted(best.items()):
-        spread = 100 * (r.p90_us - r.p10_us) / r.median_us  # type: ignore[attr-defined]
+    for b, r in best_per_batch(rows).items():
+        spread = 100 * (r.p90_us - r.p10_us) / r.median_us
+        peer_us = getattr(r, field)
+        peer_text = "-" if peer_us is None else f"{peer_us:.2f}"
+        speedup = "-" if peer_us is None else f"{peer_us / r.median_us:.2f}x"
         typer.echo(
-            f"{b:>5} {b * heads:>6} {r.floor_us:>9.2f} {r.median_us:>9.2f} {spread:>8.1f} "  # type: ignore[attr-defined]
-            f"{r.pct_of_floor:>7.1f} {r.torch_us or float('nan'):>9.2f}  {r.variant}"  # type: ignore[attr-defined]
+            f"{b:>5} {b * heads:>6} {r.floor_us:>9.2f} {r.median_us:>9.2f} {spread:>8.1f} "
+            f"{r.pct_of_floor:>7.1f} {peer_text:>13} {speedup:>8}  {r.variant}"
         )
+    if kernel == "verify" and conv:
+        typer.echo(f"{label} does not fuse the conv: its time leaves out the conv kernel it needs")
+
+
+from kdagen.tune_cli import tune  # noqa: E402  (its own module: kdagen/tune_cli.py)
+
+app.command()(tune)
 
 
 def main() -> None:  # pragma: no cover

@@ -30,7 +30,6 @@ from kdagen.render import digest, render
 from kdagen.variant import Variant
 
 ARCHS = ("sm_90a", "sm_100a")
-_KERNEL_CLASSES = {"commit": "KdaCommit", "verify": "KdaTcVerify"}
 
 
 def cache_root() -> Path:
@@ -95,11 +94,16 @@ def load_module(variant: Variant, root: Path | None = None) -> ModuleType:
 
 
 def kernel_object(variant: Variant, root: Path | None = None) -> Any:
-    return getattr(load_module(variant, root), _KERNEL_CLASSES[variant.kernel])()
+    return getattr(load_module(variant, root), variant.spec.class_name)()
 
 
 def compile_options(arch: str, dump_dir: Path | None = None) -> str:
+    """DSL compile flags; ``KDAGEN_DSL_OPTIONS`` appends more (e.g. ``--generate-line-info``
+    for compute-sanitizer; such builds land in the same cache, so use a separate one)."""
     options = f"--gpu-arch {arch}"
+    extra = os.environ.get("KDAGEN_DSL_OPTIONS", "").strip()
+    if extra:
+        options += f" {extra}"
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     return options

@@ -127,7 +127,11 @@ def validate_commit(
     check_scalar(op, "lower_bound", lower_bound, float, negative=True)
     check_scalar(op, "null_slot", null_slot, int)
     slot_dtype = _dtype_name(slots.dtype)
-    chosen = _resolve_variant(variant, "commit", heads, window, slot_dtype, batch)
+    chosen = (
+        _resolve_variant(variant, "commit", heads, window, slot_dtype, batch)
+        if variant is not None
+        else _dispatched("commit", heads, window, slot_dtype, batch, device, None)
+    )
     return CommitLaunch(chosen, batch, state.shape[0], state.stride(0))
 
 
@@ -171,13 +175,43 @@ def commit(
         fn(*launch_args(launch.variant, values))
 
 
-def _resolve_variant(
-    variant: Variant | str | None, kernel: str, heads: int, window: int, slot_dtype: str, batch: int
+def _dispatched(
+    kernel: str,
+    heads: int,
+    window: int,
+    slot_dtype: str,
+    batch: int,
+    device: torch.device | None,
+    arch: str | None,
+    **conv: Any,
 ) -> Variant:
+    """The GPU's dispatch table choice (generated/<gpu>/), else the built-in heuristic."""
+    from kdagen import dispatch
+
+    def heuristic() -> Variant:
+        if kernel == "commit":
+            return default_commit_variant(heads, window, slot_dtype, batch)
+        return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, **conv)
+
+    contract = {"heads": heads, "window": window, "slot_dtype": slot_dtype, **conv}
+    return dispatch.choose(kernel, contract, batch, heuristic, device=device)
+
+
+def _resolve_variant(
+    variant: Variant | str | None,
+    kernel: str,
+    heads: int,
+    window: int,
+    slot_dtype: str,
+    batch: int,
+    **conv: Any,
+) -> Variant:
+    """An explicit variant, checked against the inputs; else the default for them."""
     if variant is None:
-        return default_commit_variant(heads, window, slot_dtype, batch)
+        return _dispatched(kernel, heads, window, slot_dtype, batch, None, None, **conv)
     chosen = Variant.parse(variant) if isinstance(variant, str) else variant
     expected = {"kernel": kernel, "heads": heads, "window": window, "slot_dtype": slot_dtype}
+    expected |= conv
     wrong = {k: (getattr(chosen, k), v) for k, v in expected.items() if getattr(chosen, k) != v}
     if wrong:
         detail = ", ".join(
@@ -187,3 +221,301 @@ def _resolve_variant(
             f"kdagen.{kernel}: variant {chosen.name} does not fit the inputs ({detail})"
         )
     return chosen
+
+
+# ---- verify ----
+
+# H200 sweep (docs/perf-notes.md): four 54 KiB CTAs fit an SM; fused conv needs 152
+# registers per thread, so three.
+_SM90_RESIDENT = {False: 4, True: 3}
+
+
+def default_verify_variant(
+    heads: int,
+    window: int,
+    slot_dtype: str,
+    batch: int,
+    conv: bool = False,
+    conv_layout: str = "token_major",
+    conv_weight_dtype: str = "bf16",
+    arch: str | None = None,
+) -> Variant:
+    """Built-in heuristic until a dispatch table is present: the arch's path, every SM's
+    resident CTAs, and (without conv) two CTAs per item while items alone leave SMs idle."""
+    arch = arch or device_arch()
+    contract = {
+        "kernel": "verify", "heads": heads, "window": window, "slot_dtype": slot_dtype,
+        "conv": conv, "conv_layout": conv_layout, "conv_weight_dtype": conv_weight_dtype,
+    }  # fmt: skip
+    if arch == "sm_100a":
+        return Variant(**contract, path="sm100_tcgen05", ctas=740)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    split = 2 if not conv and batch * heads < 2 * sms else 1
+    return Variant(
+        **contract, path="sm90_wgmma", row_split=split, ctas=_SM90_RESIDENT[conv] * sms, stages=1
+    )
+
+
+@dataclass(frozen=True)
+class VerifyLaunch:
+    """What validation resolved: the variant, q/k/v views and the kernel's scalar arguments."""
+
+    variant: Variant
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    act_stride: int
+    records_by_slot: bool
+    batch: int
+    rows: int
+    slot_count: int
+    slot_stride: int
+
+
+def _check_activations(
+    op: str, q: object, k: object, v: object, tokens: int, heads: int, device: torch.device
+) -> int:
+    """q, k, v [T, H*128] bf16: rows contiguous, one shared row stride (a fused projection's
+    channel blocks or separate tensors), 16-byte aligned. Returns the row stride."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, t, dims=[tokens, heads * 128], dtypes=[torch.bfloat16],
+                     device=device, contiguous=False, align=16)  # fmt: skip
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    stride = q.stride(0) if tokens > 1 else heads * 128
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        row = t.stride(0) if tokens > 1 else stride
+        if t.stride(1) != 1 or row != stride or row % 8:
+            raise KdaInputError(
+                f"{op}: `{name}` must have contiguous rows and the row stride of `q` (a "
+                f"multiple of 8), got strides {list(t.stride())} (q: {list(q.stride())})"
+            )
+    return stride
+
+
+def _check_conv(
+    op: str,
+    conv_state: object,
+    conv_w: object,
+    accepted: object,
+    conv_dim_first: bool,
+    *,
+    heads: int,
+    window: int,
+    batch: int,
+    slot_count: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The conv tensors (all three or none); returns the variant's conv contract fields."""
+    given = [x is not None for x in (conv_state, conv_w, accepted)]
+    if not any(given):
+        return {"conv": False}
+    if not all(given):
+        missing = [n for n, g in zip(("conv_state", "conv_w", "accepted"), given, strict=True)
+                   if not g]  # fmt: skip
+        raise KdaInputError(f"{op}: with conv, `conv_state`, `conv_w` and `accepted` are all "
+                            f"required; missing {missing}")  # fmt: skip
+    channels = 3 * heads * 128
+    rows = [channels, window + 2] if conv_dim_first else [window + 2, channels]
+    check_tensor(op, "conv_state", conv_state, dims=[slot_count, *rows],
+                 dtypes=[torch.bfloat16], device=device)  # fmt: skip
+    check_tensor(op, "conv_w", conv_w, dims=[channels, 4],
+                 dtypes=[torch.bfloat16, torch.float32], device=device, align=8)  # fmt: skip
+    check_tensor(op, "accepted", accepted, dims=[batch], dtypes=[torch.int32], device=device)
+    assert isinstance(conv_w, torch.Tensor)
+    return {
+        "conv": True,
+        "conv_layout": "dim_first" if conv_dim_first else "token_major",
+        "conv_weight_dtype": "fp32" if conv_w.dtype == torch.float32 else "bf16",
+    }
+
+
+def validate_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    query_start: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    corr: torch.Tensor,
+    kg: torch.Tensor,
+    *,
+    lower_bound: float,
+    null_slot: int,
+    conv_state: torch.Tensor | None = None,
+    conv_w: torch.Tensor | None = None,
+    accepted: torch.Tensor | None = None,
+    conv_dim_first: bool = False,
+    variant: Variant | str | None = None,
+    require_cuda: bool = True,
+    arch: str | None = None,
+    records_by_slot: bool = False,
+    op: str = "kdagen.verify",
+) -> VerifyLaunch:
+    """Every check ``verify`` makes, without launching (CPU tensors pass with
+    ``require_cuda=False``, so the messages are testable anywhere)."""
+    check_state(op, state, require_cuda=require_cuda)
+    heads, device = state.shape[1], state.device
+    check_tensor(op, "slots", slots, dims=[("B", 0)], dtypes=[torch.int32, torch.int64],
+                 device=device)  # fmt: skip
+    batch = slots.shape[0]
+    check_tensor(op, "query_start", query_start, dims=[batch + 1], dtypes=[torch.int32],
+                 device=device)  # fmt: skip
+    if not isinstance(q, torch.Tensor) or q.dim() != 2:
+        shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise KdaInputError(f"{op}: `q` must have shape [T, {heads * 128}], got {shape}")
+    tokens = q.shape[0]
+    act_stride = _check_activations(op, q, k, v, tokens, heads, device)
+    check_tensor(op, "raw_g", raw_g, dims=[tokens, heads * 128], dtypes=[torch.bfloat16],
+                 device=device, align=16)  # fmt: skip
+    check_tensor(op, "raw_beta", raw_beta, dims=[tokens, heads], dtypes=[torch.bfloat16],
+                 device=device)  # fmt: skip
+    if not (isinstance(corr, torch.Tensor) and corr.dim() == 4 and 1 <= corr.shape[2] <= 8):
+        shape = list(corr.shape) if isinstance(corr, torch.Tensor) else type(corr).__name__
+        raise KdaInputError(
+            f"{op}: `corr` must have shape [rows>={batch}, {heads}, Q (1..8), 128], got {shape}"
+        )
+    window = corr.shape[2]
+    rows = state.shape[0] if records_by_slot else ("rows", batch)
+    check_tensor(op, "corr", corr, dims=[rows, heads, window, 128],
+                 dtypes=[torch.float32], device=device, align=16)  # fmt: skip
+    check_tensor(op, "kg", kg, dims=[corr.shape[0], heads, window, 256],
+                 dtypes=[torch.bfloat16], device=device, align=16)  # fmt: skip
+    check_tensor(op, "out", out, dims=[tokens, heads * 128], dtypes=[torch.bfloat16],
+                 device=device, align=16)  # fmt: skip
+    check_tensor(op, "a_log", a_log, dims=[heads], dtypes=[torch.float32], device=device)
+    check_tensor(op, "dt_bias", dt_bias, dims=[heads * 128], dtypes=[torch.float32],
+                 device=device)  # fmt: skip
+    check_scalar(op, "lower_bound", lower_bound, float, negative=True)
+    check_scalar(op, "null_slot", null_slot, int)
+    conv = _check_conv(
+        op, conv_state, conv_w, accepted, conv_dim_first, heads=heads, window=window,
+        batch=batch, slot_count=state.shape[0], device=device,
+    )  # fmt: skip
+    slot_dtype = _dtype_name(slots.dtype)
+    if variant is None and arch is None:
+        arch = device_arch(device)
+    chosen = (
+        _resolve_variant(variant, "verify", heads, window, slot_dtype, batch, **conv)
+        if variant is not None
+        else _dispatched("verify", heads, window, slot_dtype, batch, device, arch, **conv)
+    )
+    return VerifyLaunch(chosen, (q, k, v), act_stride, records_by_slot, batch, corr.shape[0],
+                        state.shape[0], state.stride(0))  # fmt: skip
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def work_counter(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 work counter verify uses when none is passed: one per device, made
+    on first use (not during graph capture). Launches that may run concurrently on several
+    streams need a counter each."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COUNTERS:
+        if torch.cuda.is_current_stream_capturing():
+            raise KdaInputError(
+                "kdagen.verify: no work counter exists yet for this device and one cannot be "
+                "made during CUDA-graph capture; call verify once before capturing, or pass "
+                "`counter=` (a zeroed int32 tensor [1])"
+            )
+        _COUNTERS[index] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[index]
+
+
+def verify(
+    qkv: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    query_start: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    corr: torch.Tensor,
+    kg: torch.Tensor,
+    *,
+    lower_bound: float = -5.0,
+    null_slot: int = 0,
+    conv_state: torch.Tensor | None = None,
+    conv_w: torch.Tensor | None = None,
+    accepted: torch.Tensor | None = None,
+    conv_dim_first: bool = False,
+    counter: torch.Tensor | None = None,
+    variant: Variant | str | None = None,
+) -> None:
+    """Verify a window of draft tokens per request (see the semantics page).
+
+    qkv [T, 3*H*128] bf16 (the raw projection with conv, else the convolved q, k, v),
+    raw_g [T, H*128] bf16, raw_beta [T, H] bf16, a_log [H] fp32, dt_bias [H*128] fp32,
+    state [slots, H, 128, 128] bf16 (slot stride may be padded), query_start [B+1] int32,
+    slots [B] int32/int64 (``<= null_slot``: padding), out [T, H*128] bf16,
+    corr [rows>=B, H, Q, 128] fp32, kg [rows, H, Q, 256] bf16. With conv: conv_state
+    [slots, Q+2, 3*H*128] (or [slots, 3*H*128, Q+2] with ``conv_dim_first``) bf16, rolled in
+    place; conv_w [3*H*128, 4] bf16 or fp32; accepted [B] int32. Window lengths must be
+    <= Q and live slots unique (not checked: that would synchronise).
+    Launches on the current stream; no allocation, no synchronisation.
+    """
+    width = qkv.shape[-1] // 3 if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else 0
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != 3 * width:
+        shape = list(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise KdaInputError(f"kdagen.verify: `qkv` must have shape [T, 3*H*128], got {shape}")
+    q, k, v = qkv[:, :width], qkv[:, width : 2 * width], qkv[:, 2 * width :]
+    launch = validate_verify(
+        q, k, v, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg,
+        lower_bound=lower_bound, null_slot=null_slot, conv_state=conv_state, conv_w=conv_w,
+        accepted=accepted, conv_dim_first=conv_dim_first, variant=variant,
+    )  # fmt: skip
+    launch_verify(launch, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out,
+                  corr, kg, conv_state, conv_w, accepted, counter, lower_bound, null_slot)  # fmt: skip
+
+
+def launch_verify(
+    launch: VerifyLaunch,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    query_start: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    corr: torch.Tensor,
+    kg: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    conv_w: torch.Tensor | None,
+    accepted: torch.Tensor | None,
+    counter: torch.Tensor | None,
+    lower_bound: float,
+    null_slot: int,
+) -> None:
+    """Launch a validated verify (``validate_verify``'s result) on the current stream."""
+    if launch.batch == 0:
+        return
+    device = state.device
+    if counter is None:
+        counter = work_counter(device)
+    else:
+        check_tensor("kdagen.verify", "counter", counter, dims=[1], dtypes=[torch.int32],
+                     device=device)  # fmt: skip
+    from kdagen.abi import launch_args
+
+    fn = launcher(launch.variant, device_arch(device))
+    q, k, v = launch.qkv
+    values = {
+        "q": q, "k": k, "v": v, "raw_g": raw_g, "raw_beta": raw_beta, "a_log": a_log,
+        "dt_bias": dt_bias, "state": state, "corr": corr, "kg": kg, "out": out,
+        "query_start": query_start, "slots": slots, "conv_state": conv_state,
+        "conv_w": conv_w, "accepted": accepted, "counter": counter, "tokens": q.shape[0],
+        "act_stride": launch.act_stride, "batch": launch.batch, "rows": launch.rows,
+        "records_by_slot": int(launch.records_by_slot),
+        "slot_count": launch.slot_count, "slot_stride": launch.slot_stride,
+        "lower_bound": float(lower_bound), "null_slot": int(null_slot),
+        "stream": torch.cuda.current_stream(device),
+    }  # fmt: skip
+    with torch.cuda.device(device):
+        fn(*launch_args(launch.variant, values))

@@ -20,7 +20,7 @@ import yaml
 from kdagen.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, VariantError
 
 SPACE_DIR = Path(__file__).resolve().parents[1] / "search_spaces"
-DEFAULT_SPACES = ("commit.yaml", "verify_sm100.yaml")
+DEFAULT_SPACES = ("commit.yaml", "verify_sm90.yaml", "verify_sm100.yaml")
 
 
 class SpaceError(ValueError):

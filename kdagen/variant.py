@@ -24,7 +24,7 @@ CONTRACT_FIELDS = (
     "state_dtype",
     "gate",
 )
-TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "pdl")
+TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "stages", "pdl")
 
 # Allowed values per field; ints with a range are checked by ``_RANGES``.
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -38,6 +38,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "threads": (32, 64, 128, 256, 512),
     "vec": (4, 8),  # a state row then spans 32 or 16 threads (within a warp)
     "row_split": (1, 2, 4, 8),
+    "stages": (1, 2),  # state buffers in shared memory: 2 loads the next item's state earlier
     "pdl": (False, True),
 }
 _RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 8), "ctas": (1, 1 << 16)}
@@ -48,6 +49,7 @@ class PathSpec:
     """An architecture path of a kernel: its template, targets and the tuning fields it reads."""
 
     template: str
+    class_name: str  # the kernel class the template defines
     archs: tuple[str, ...]
     tuning: tuple[str, ...]
 
@@ -58,6 +60,7 @@ PATHS: dict[str, dict[str, PathSpec]] = {
         # State rows staged in shared memory by one bulk async copy (cp.async.bulk).
         "bulk": PathSpec(
             template="commit/bulk.py.j2",
+            class_name="KdaCommit",
             archs=("sm_90a", "sm_100a"),
             tuning=("threads", "vec", "row_split", "pdl"),
         ),
@@ -66,8 +69,17 @@ PATHS: dict[str, dict[str, PathSpec]] = {
         # The seed: tcgen05 MMAs into TMEM, persistent grid with a work counter (sm_100a).
         "sm100_tcgen05": PathSpec(
             template="verify/sm100_tcgen05.py.j2",
+            class_name="KdaTcVerify",
             archs=("sm_100a",),
             tuning=("ctas",),
+        ),
+        # Hopper: the seed's design with warpgroup MMAs (wgmma) from shared memory into
+        # registers; a (request, head) may be split over CTAs by state rows.
+        "sm90_wgmma": PathSpec(
+            template="verify/sm90_wgmma.py.j2",
+            class_name="KdaWgmmaVerify",
+            archs=("sm_90a",),
+            tuning=("row_split", "ctas", "stages", "pdl"),
         ),
     },
 }
@@ -80,6 +92,7 @@ _TUNING_TOKENS = (
     ("vec", "v"),
     ("row_split", "r"),
     ("ctas", "c"),
+    ("stages", "s"),
 )
 
 
@@ -107,6 +120,7 @@ class Variant:
     vec: int = 8
     row_split: int = 1
     ctas: int = 740  # persistent grid bound: resident CTAs per SM x SMs (B200: 5 x 148)
+    stages: int = 1
     pdl: bool = True
 
     def __post_init__(self) -> None:
@@ -246,6 +260,8 @@ def _check_path_rules(v: Variant) -> None:
         )
     if v.kernel == "commit":
         _check_commit_rules(v)
+    if v.path == "sm90_wgmma":
+        _check_sm90_verify_rules(v)
 
 
 def _check_commit_rules(v: Variant) -> None:
@@ -256,4 +272,19 @@ def _check_commit_rules(v: Variant) -> None:
         raise VariantError(
             f"threads={v.threads} does not divide the {rows * group} chunks of "
             f"row_split={v.row_split} evenly"
+        )
+
+
+def _check_sm90_verify_rules(v: Variant) -> None:
+    """A wgmma tile has at least 64 rows; the conv state is rolled in place by the CTA that
+    reads it, so a convolving item cannot be split over CTAs."""
+    if v.row_split not in (1, 2):
+        raise VariantError(
+            f"row_split={v.row_split} is not allowed for path 'sm90_wgmma' (a CTA needs at "
+            "least the 64 state rows of one wgmma tile); allowed values: [1, 2]"
+        )
+    if v.conv and v.row_split != 1:
+        raise VariantError(
+            f"row_split={v.row_split} is not allowed with conv=True: every CTA of a split item "
+            "would read the conv history that another CTA rolls in place; allowed values: [1]"
         )

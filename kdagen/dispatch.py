@@ -1,0 +1,312 @@
+"""The dispatch table: (contract key, batch bucket) -> tuning fields, per GPU fingerprint.
+
+``generated/<fingerprint>/dispatch.json`` is written by ``kdagen tune`` and read by the
+run-time API through ``choose``. JSON rather than YAML so a deployed package needs no YAML
+parser. The table records the fingerprint, the nvidia-cutlass-dsl version and the template
+hash of each kernel it was made with; a table whose DSL version or template hash differs from
+the running code is refused (``StaleTableError``), never used: its winners were measured on
+other kernels.
+
+Lookup for (kernel, contract, batch): the exact key and bucket, else the nearest bucket of
+that key (log distance), else the per-GPU default of the kernel (the config that won the most
+studies at the nearest bucket), else the caller's built-in heuristic. Each fallback warns once
+per (contract key, reason). Results are cached per process: after the first call for a
+(contract, batch) a launch does no file I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdagen.variant import Variant, VariantError
+
+TABLE_FILE = "dispatch.json"
+FORMAT = 1
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+class StaleTableError(RuntimeError):
+    """The table was made with other templates or another DSL version: refused, not used."""
+
+
+class DispatchFallbackWarning(UserWarning):
+    """The lookup used something other than the exact (contract key, batch bucket) entry."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One winner: tuning fields (``path`` included) for a batch bucket, with its evidence."""
+
+    batch: int
+    tuning: dict[str, Any]
+    time_us: float | None = None
+    margin_runner_up_pct: float | None = None
+    margin_default_pct: float | None = None
+    variant: str = ""
+    note: str = ""
+
+
+@dataclass
+class DispatchTable:
+    fingerprint: str
+    dsl_version: str
+    template_hashes: dict[str, str]
+    created: str
+    entries: dict[str, list[Entry]] = field(default_factory=dict)  # contract key -> by batch
+    defaults: dict[str, list[Entry]] = field(default_factory=dict)  # kernel -> by batch
+    device: dict[str, Any] = field(default_factory=dict)
+
+    # ---- serialisation ----
+    def to_json(self) -> str:
+        data = asdict(self)
+        data = {"format": FORMAT, **data}
+        return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "dispatch table") -> DispatchTable:
+        data = json.loads(text)
+        if data.get("format") != FORMAT:
+            raise StaleTableError(
+                f"{source}: format {data.get('format')!r}, this kdagen reads format {FORMAT}; "
+                "re-run `kdagen tune`"
+            )
+
+        def entries(raw: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[Entry]]:
+            return {
+                k: sorted((Entry(**e) for e in v), key=lambda e: e.batch) for k, v in raw.items()
+            }
+
+        return cls(
+            fingerprint=data["fingerprint"],
+            dsl_version=data["dsl_version"],
+            template_hashes=dict(data["template_hashes"]),
+            created=data["created"],
+            entries=entries(data.get("entries", {})),
+            defaults=entries(data.get("defaults", {})),
+            device=dict(data.get("device", {})),
+        )
+
+    # ---- staleness and lookup ----
+    def kernels(self) -> set[str]:
+        """Kernels with entries or a per-GPU default: the only ones the table can refuse."""
+        return {key.split("-", 1)[0] for key in self.entries} | set(self.defaults)
+
+    def staleness(self, kernel: str, dsl_version: str, template_hash: str) -> str | None:
+        """Why this table must not be used for ``kernel`` with the running code (None: fresh)."""
+        changed = []
+        made = self.template_hashes.get(kernel)
+        if made is None:
+            changed.append(f"it has no template hash for kernel {kernel!r}")
+        elif made != template_hash:
+            changed.append(
+                f"the {kernel} templates changed (table made with template hash {made}, "
+                f"templates now hash to {template_hash})"
+            )
+        if self.dsl_version != dsl_version:
+            changed.append(
+                f"nvidia-cutlass-dsl changed (table made with {self.dsl_version}, "
+                f"installed {dsl_version})"
+            )
+        return "; ".join(changed) or None
+
+    def lookup(self, kernel: str, key: str, batch: int) -> tuple[Entry | None, str]:
+        """The entry for (key, batch) and how it was found: ``exact``, ``nearest``,
+        ``gpu-default`` or ``none``. Pure: no warnings, no I/O."""
+        rows = self.entries.get(key)
+        if rows:
+            best = nearest(rows, batch)
+            return best, "exact" if best.batch == batch else "nearest"
+        rows = self.defaults.get(kernel)
+        if rows:
+            return nearest(rows, batch), "gpu-default"
+        return None, "none"
+
+
+def nearest(rows: list[Entry], batch: int) -> Entry:
+    """The entry whose bucket is closest to ``batch`` on a log scale (ties: the larger
+    bucket, whose config keeps more of the GPU busy)."""
+    b = math.log(max(batch, 1))
+    return min(rows, key=lambda e: (abs(math.log(e.batch) - b), -e.batch))
+
+
+def write_table(folder: Path, table: DispatchTable) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / TABLE_FILE
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(table.to_json())
+    tmp.replace(path)
+    return path
+
+
+def load_table(folder: Path) -> DispatchTable | None:
+    """The table in ``folder`` (None when there is none). Does not check staleness."""
+    path = Path(folder) / TABLE_FILE
+    if not path.exists():
+        return None
+    return DispatchTable.from_json(path.read_text(), str(path))
+
+
+def check_fresh(table: DispatchTable, kernel: str, source: str) -> None:
+    """Raise ``StaleTableError`` naming what changed when ``table`` no longer matches the code."""
+    from kdagen.render import dsl_version, template_digest
+
+    why = table.staleness(kernel, dsl_version(), template_digest(kernel))
+    if why:
+        raise StaleTableError(
+            f"kdagen: refusing the dispatch table {source} for kernel {kernel!r}: {why}. "
+            "Its winners were measured on other kernels. Re-run `kdagen tune` on this GPU, "
+            "or set KDAGEN_DISPATCH=off to use the built-in heuristic."
+        )
+
+
+def generated_root() -> Path:
+    """Where tables live: ``$KDAGEN_GENERATED``, else ``generated/`` of the checkout."""
+    return Path(os.environ.get("KDAGEN_GENERATED", PACKAGE_ROOT / "generated"))
+
+
+# ---- the run-time entry point ----
+
+_lock = threading.Lock()
+_tables: dict[Path, DispatchTable | None] = {}
+_fresh: set[tuple[Path, str]] = set()
+_choices: dict[tuple[Any, ...], Variant] = {}
+_warned: set[tuple[str, str]] = set()
+_fingerprints: dict[Any, str] = {}
+
+
+def reset() -> None:
+    """Forget loaded tables, choices and warnings (tests; after re-tuning in a process)."""
+    with _lock:
+        _tables.clear()
+        _fresh.clear()
+        _choices.clear()
+        _warned.clear()
+        _fingerprints.clear()
+
+
+def choose(
+    kernel: str,
+    contract: Mapping[str, Any],
+    batch: int,
+    heuristic: Callable[[], Variant],
+    device: Any = None,
+) -> Variant:
+    """The variant to launch for ``kernel`` with ``contract`` at ``batch`` on ``device``.
+
+    ``heuristic()`` returns the built-in choice for this (contract, batch); its contract
+    fields define the key. ``device``: the tensors' device (None: the current one when first
+    asked). Cached per (device, kernel, contract, batch); raises ``StaleTableError`` while
+    the GPU's table is stale.
+    """
+    cache_key = (device, kernel, tuple(sorted(contract.items())), batch)
+    found = _choices.get(cache_key)
+    if found is not None:
+        return found
+    with _lock:
+        found = _choose(kernel, batch, heuristic, device)
+        _choices[cache_key] = found
+    return found
+
+
+def _choose(kernel: str, batch: int, heuristic: Callable[[], Variant], device: Any) -> Variant:
+    base = heuristic()
+    key = base.contract_key
+    if os.environ.get("KDAGEN_DISPATCH", "").lower() in ("off", "0", "heuristic"):
+        _warn_once(key, "off", f"{key}: KDAGEN_DISPATCH=off, using the built-in heuristic")
+        return base
+    folder = _table_folder(device)
+    if folder is None:
+        _warn_once(key, "no-gpu", f"{key}: no CUDA device to key a dispatch table on; heuristic")
+        return base
+    table = _table(folder)
+    if table is None:
+        _warn_once(
+            key, "no-table",
+            f"{key}: no dispatch table for this GPU ({folder / TABLE_FILE} missing); "
+            f"using the built-in heuristic ({base.name})",
+        )  # fmt: skip
+        return base
+    if kernel not in table.kernels():
+        _warn_once(
+            key, "no-kernel",
+            f"{key}: the dispatch table for {table.fingerprint} has no {kernel} entries; "
+            f"using the built-in heuristic ({base.name})",
+        )  # fmt: skip
+        return base
+    if (folder, kernel) not in _fresh:
+        check_fresh(table, kernel, str(folder / TABLE_FILE))
+        _fresh.add((folder, kernel))
+    return resolve(table, kernel, base, batch)
+
+
+def resolve(table: DispatchTable, kernel: str, base: Variant, batch: int) -> Variant:
+    """Apply the table's entry for ``base``'s contract key at ``batch``; fall back to ``base``
+    (the heuristic) when there is none or it does not fit this contract. Warns once per
+    (key, reason) on every fallback."""
+    key = base.contract_key
+    entry, how = table.lookup(kernel, key, batch)
+    if entry is None:
+        _warn_once(
+            key, "heuristic",
+            f"{key}: not in the dispatch table for {table.fingerprint} and no per-GPU default "
+            f"for {kernel}; using the built-in heuristic ({base.name})",
+        )  # fmt: skip
+        return base
+    try:
+        chosen = base.replace(**entry.tuning)
+    except (VariantError, TypeError) as err:
+        _warn_once(
+            key, "heuristic",
+            f"{key}: the table's {how} entry {entry.tuning} does not fit this contract ({err}); "
+            f"using the built-in heuristic ({base.name})",
+        )  # fmt: skip
+        return base
+    if how == "nearest":
+        _warn_once(
+            key, how,
+            f"{key}: batch {batch} is not a tuned bucket; using the nearest tuned bucket "
+            f"({entry.batch}) of the dispatch table",
+        )  # fmt: skip
+    elif how == "gpu-default":
+        _warn_once(
+            key, how,
+            f"{key}: not tuned on {table.fingerprint}; using the per-GPU default for {kernel} "
+            f"at bucket {entry.batch} ({chosen.name})",
+        )  # fmt: skip
+    return chosen
+
+
+def _warn_once(key: str, reason: str, message: str) -> None:
+    if (key, reason) in _warned:
+        return
+    _warned.add((key, reason))
+    warnings.warn(f"kdagen dispatch: {message}", DispatchFallbackWarning, stacklevel=4)
+
+
+def _table(folder: Path) -> DispatchTable | None:
+    if folder not in _tables:
+        _tables[folder] = load_table(folder)
+    return _tables[folder]
+
+
+def _table_folder(device: Any) -> Path | None:
+    """``generated/<fingerprint>/`` of ``device``; ``$KDAGEN_FINGERPRINT`` overrides the
+    fingerprint (a GPU-less test, or a table borrowed from a sibling SKU on purpose)."""
+    fingerprint = os.environ.get("KDAGEN_FINGERPRINT") or _fingerprints.get(device)
+    if not fingerprint:
+        try:
+            from kdagen.fingerprint import gpu_fingerprint
+
+            fingerprint = gpu_fingerprint(device)
+        except (AssertionError, RuntimeError, ImportError):  # no CUDA: torch raises these
+            return None
+        _fingerprints[device] = fingerprint
+    return generated_root() / fingerprint

@@ -1,0 +1,174 @@
+"""One candidate through the pipeline: compile -> check -> time, each failure recorded once.
+
+Compilation and the reference check do not depend on the batch, so a variant is compiled once
+(the on-disk cache is shared with every run) and checked once; the ``Ledger`` remembers both
+across the studies of a contract key and, read back from the storage, across resumed runs.
+Failures (compile error, launch error, wrong result, timeout, worker death) become a reason
+string and a ``search.FAILURE_SCORE`` outcome; a failed variant is never run again.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import optuna
+
+from kdagen.compile import CompileRecord
+from kdagen.search import FAILURE_SCORE, Outcome, recorded
+from kdagen.variant import Variant
+from kdagen.worker import Worker, WorkerFailure
+
+
+class Compiler(Protocol):
+    """``worker.PoolCompiler`` or ``simulate.SimulatedCompiler``."""
+
+    def submit(self, variant: Variant) -> None: ...
+    def result(self, variant: Variant) -> CompileRecord: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Ledger:
+    """Per variant, across the studies of a run and resumed runs: failed (never run again)
+    or checked (not checked again)."""
+
+    failed: dict[str, dict[str, str]] = field(default_factory=dict)
+    checked: set[str] = field(default_factory=set)
+
+    def add_study(self, study: optuna.Study) -> None:
+        for name, outcome in recorded(study).items():
+            if outcome.ok:
+                self.checked.add(name)
+            elif not outcome.attrs.get("known"):
+                self.failed.setdefault(name, _failure(outcome.attrs))
+        final = study.user_attrs.get("final") or {}
+        for name, reason in (final.get("dropped") or {}).items():
+            self.failed.setdefault(name, {"kind": kind_of(reason), "reason": reason})
+
+
+def _failure(attrs: dict[str, Any]) -> dict[str, str]:
+    return {"kind": str(attrs.get("kind", "")), "reason": str(attrs.get("reason", ""))}
+
+
+def kind_of(reason: str) -> str:
+    """compile, launch, wrong, timeout, died, refused or error: the first words of a reason."""
+    for prefix, kind in (
+        ("compile", "compile"), ("launch", "launch"), ("wrong", "wrong"),
+        ("timeout", "timeout"), ("worker died", "died"), ("refused", "refused"),
+    ):  # fmt: skip
+        if reason.startswith(prefix):
+            return kind
+    return "error"
+
+
+@dataclass
+class Progress:
+    """Counts for the progress line: compiled / checked / timed / failed, best so far."""
+
+    echo: Callable[[str], None]
+    compiled: set[str] = field(default_factory=set)
+    checked: int = 0
+    timed: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+
+    def show(self, label: str, scored: int, budget: int, best: tuple[float, str] | None) -> None:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.failed.items()))
+        best_text = f"best {best[0]:.2f} us {best[1]}" if best else "best -"
+        self.echo(
+            f"[{label}] {scored}/{budget} scored | compiled {len(self.compiled)} checked "
+            f"{self.checked} timed {self.timed} failed {sum(self.failed.values())}"
+            f"{f' ({kinds})' if kinds else ''} | {best_text}"
+        )
+
+
+class CandidateEvaluator:
+    """compile -> check -> time for one candidate, every failure recorded once."""
+
+    def __init__(
+        self,
+        compiler: Compiler,
+        worker: Worker,
+        ledger: Ledger,
+        progress: Progress,
+        timeout_s: float,
+        seed: int,
+    ) -> None:
+        self.compiler, self.worker, self.ledger = compiler, worker, ledger
+        self.progress, self.timeout_s, self.seed = progress, timeout_s, seed
+
+    def prepare(self, variant: Variant) -> None:
+        if variant.name not in self.ledger.failed:
+            self.compiler.submit(variant)
+
+    def ready(self, variant: Variant) -> str | None:
+        """None once the variant is compiled and has passed the check, else why not."""
+        if variant.name in self.ledger.failed:
+            return self.ledger.failed[variant.name]["reason"]
+        record = self.compiler.result(variant)
+        if not record.ok:
+            first = (record.error or "").strip().splitlines()[-1:] or ["(no message)"]
+            return self._fail(variant, f"compile error: {first[0][:300]}")
+        self.progress.compiled.add(variant.name)
+        if variant.name in self.ledger.checked:
+            return None
+        why = self._gpu("check", variant.name, self.seed)
+        if isinstance(why, WorkerFailure):
+            return self._fail(variant, _reason(why, "check"))
+        if why:
+            return self._fail(variant, str(why))
+        self.ledger.checked.add(variant.name)
+        self.progress.checked += 1
+        return None
+
+    def time(self, variant: Variant, batch: int) -> dict[str, float] | str:
+        """One cold-L2 timing at ``batch``, or the failure (recorded) as a reason."""
+        result = self._gpu("time", variant.name, batch, self.seed)
+        if isinstance(result, WorkerFailure):
+            return self._fail(variant, _reason(result, "timing"))
+        self.progress.timed += 1
+        return result
+
+    def score(self, variant: Variant, batch: int) -> Outcome:
+        known = variant.name in self.ledger.failed
+        why = self.ready(variant)
+        timing = self.time(variant, batch) if why is None else why
+        if isinstance(timing, str):
+            attrs = {"status": "failed", "kind": kind_of(timing), "reason": timing, "known": known}
+            return Outcome(FAILURE_SCORE, attrs)
+        return Outcome(timing["median_us"], {"status": "ok", **timing})
+
+    def default(self, base: Variant, batch: int) -> Variant:
+        """The run-time heuristic's choice for ``base``'s contract at ``batch`` (asked of the
+        GPU worker, where the heuristic can read the device)."""
+        name = self.worker.call("default", base.name, batch, timeout=self.timeout_s)
+        return Variant.parse(name)
+
+    def extra(self, method: str, variant: Variant, batch: int) -> Any:
+        """floor / peers for the report; None when the GPU side cannot say."""
+        result = self._gpu(method, variant.name, batch)
+        return None if isinstance(result, WorkerFailure) else result
+
+    def _gpu(self, method: str, *args: Any) -> Any:
+        """The worker's answer, or the ``WorkerFailure`` (a worker that cannot even start
+        ends the run: raised)."""
+        try:
+            return self.worker.call(method, *args, timeout=self.timeout_s)
+        except WorkerFailure as failure:
+            if failure.kind == "start":
+                raise
+            return failure
+
+    def _fail(self, variant: Variant, reason: str) -> str:
+        self.ledger.failed[variant.name] = {"kind": kind_of(reason), "reason": reason}
+        self.progress.failed[kind_of(reason)] += 1
+        return reason
+
+
+def _reason(failure: WorkerFailure, stage: str) -> str:
+    """A worker failure as a candidate's reason (timeouts and deaths name their call)."""
+    if failure.kind == "error":
+        return f"launch error: {failure.reason} ({stage})"
+    return failure.reason

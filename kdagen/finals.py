@@ -1,0 +1,134 @@
+"""Finalists: the top three of a study and the default config, re-timed together, interleaved.
+
+Timing one config after another lets drift (clocks, temperature, a neighbour on the host)
+pass for a difference between configs; interleaving A B C D A B C D ... spreads it over all
+of them. The winner is picked by ``pick_winner``: noise is the larger of 1 % and the
+round-to-round range of the two fastest; within noise of the fastest, the default config wins
+if it is there (a tuned entry must earn its place), else the simplest config.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+
+from kdagen.evaluate import CandidateEvaluator
+from kdagen.search import recorded
+from kdagen.variant import Variant
+
+MIN_NOISE_PCT = 1.0  # margins below this never count as a win
+FINALISTS = 3
+# "Simpler", compared in this order: fewer CTAs per item, a shallower pipeline, a smaller
+# persistent grid, smaller blocks.
+SIMPLER = ("row_split", "stages", "ctas", "threads")
+
+
+@dataclass(frozen=True)
+class Pick:
+    winner: str
+    pick: str  # why: fastest, default within noise, simplest within noise
+    medians: dict[str, float]
+    noise_pct: float
+    runner_up: str | None
+    margin_runner_up_pct: float | None
+    margin_default_pct: float | None
+
+
+def _pct(slower: float, faster: float) -> float:
+    return round(100.0 * (slower - faster) / faster, 2)
+
+
+def pick_winner(
+    times: dict[str, list[float]],
+    default: str | None,
+    simplicity: Callable[[str], tuple[Any, ...]],
+) -> Pick:
+    """The winner of interleaved re-timing (name -> per-round medians).
+
+    Noise = max(1 %, the round-to-round range of the two fastest). Among the configs within
+    noise of the fastest, the default wins if it is one of them, else the simplest.
+    """
+    medians = {n: statistics.median(ts) for n, ts in times.items() if ts}
+    order = sorted(medians, key=lambda n: medians[n])
+    fastest = order[0]
+
+    def spread(n: str) -> float:
+        return 100.0 * (max(times[n]) - min(times[n])) / medians[n]
+
+    noise = max(MIN_NOISE_PCT, *(spread(n) for n in order[:2]))
+    near = [n for n in order if _pct(medians[n], medians[fastest]) <= noise]
+    if default in near:
+        winner, why = (
+            default,
+            "fastest (the default)" if default == fastest else "default within noise",
+        )
+    else:
+        winner = min(near, key=lambda n: (simplicity(n), medians[n]))
+        why = "fastest" if winner == fastest else "simplest within noise"
+    runner = next((n for n in order if n != winner), None)
+    return Pick(
+        winner, why, medians, round(noise, 2), runner,
+        _pct(medians[runner], medians[winner]) if runner else None,
+        _pct(medians[default], medians[winner]) if default in medians else None,
+    )  # fmt: skip
+
+
+def simplicity(variant: Variant) -> tuple[Any, ...]:
+    return tuple(variant.tuning.get(f, 0) for f in SIMPLER)
+
+
+def run_finals(
+    ev: CandidateEvaluator,
+    study: optuna.Study,
+    known: dict[str, Variant],
+    default: Variant,
+    batch: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """Re-time the top three and the default together, A B C D A B C D ..., and pick."""
+    scored = recorded(study)
+    best = sorted((o.value, n) for n, o in scored.items() if o.ok)
+    contenders = [n for _, n in best[:FINALISTS]]
+    default_ok = ev.ready(default) is None  # compiled and checked, even outside the space
+    known = known | {default.name: default}
+    if default_ok and default.name not in contenders:
+        contenders.append(default.name)
+    times: dict[str, list[float]] = {n: [] for n in contenders}
+    dropped: dict[str, str] = {}
+    for _ in range(rounds):
+        for name in contenders:
+            if name in dropped:
+                continue
+            t = ev.time(known[name], batch)
+            if isinstance(t, str):
+                dropped[name] = t
+            else:
+                times[name].append(t["median_us"])
+    times = {n: ts for n, ts in times.items() if ts and n not in dropped}
+    final: dict[str, Any] = {"scored": len(scored), "rounds": rounds, "default": default.name,
+                             "default_tuning": default.tuning, "dropped": dropped}  # fmt: skip
+    if not times:
+        return final | {"winner": None, "pick": "every candidate failed"}
+    pick = pick_winner(times, default.name if default_ok else None,
+                       lambda n: simplicity(known[n]))  # fmt: skip
+    winner = known[pick.winner]
+    return final | {
+        "winner": pick.winner,
+        "tuning": winner.tuning,
+        "time_us": round(pick.medians[pick.winner], 3),
+        "pick": pick.pick,
+        "noise_pct": pick.noise_pct,
+        "runner_up": pick.runner_up,
+        "margin_runner_up_pct": pick.margin_runner_up_pct,
+        "default_us": round(pick.medians[default.name], 3)
+        if default.name in pick.medians
+        else None,
+        "margin_default_pct": pick.margin_default_pct,
+        "times": {n: [round(t, 3) for t in ts] for n, ts in times.items()},
+        "floor_us": ev.extra("floor", winner, batch),
+        "peers": ev.extra("peers", winner, batch) or {},
+    }

@@ -1,0 +1,321 @@
+"""``kdagen tune``: an Optuna study per (contract key, batch bucket), winners to ``generated/``.
+
+The plan: every workload (search_spaces/workloads.yaml) maps to the contract keys of each
+space whose variants match it; each key gets one study per batch bucket, so the dispatch
+table's (key, bucket) -> winner is the study's result. Compilation and the reference check
+do not depend on the batch: a variant is compiled once (on-disk cache, shared with every run)
+and checked once per run (a failure, or a pass, is remembered across the key's studies and
+across resumed runs, read back from the storage); only timing is per bucket.
+
+A candidate's life (kdagen.evaluate): compile in the pool, started as soon as the study asks
+for it, so it overlaps the GPU work on earlier candidates -> check on the GPU worker -> time
+(cold-L2 CUDA graphs). Any failure is recorded with its reason, told to the study as
+``search.FAILURE_SCORE`` and never run again. Then the top three and the default config are
+re-timed together, interleaved (kdagen.finals). The default config is the run-time heuristic's
+choice, enqueued as each study's first trial.
+
+Storage is Optuna's SQLite in the output folder; ``load_if_exists`` resumes a killed run:
+scored trials stay scored, trials left RUNNING by the kill are marked failed (and their
+candidates asked again), finished finals are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from kdagen import report
+from kdagen.dispatch import generated_root
+from kdagen.evaluate import CandidateEvaluator, Compiler, Ledger, Progress
+from kdagen.finals import run_finals
+from kdagen.search import (
+    Outcome,
+    SearchSpace,
+    drive,
+    enqueue,
+    make_sampler,
+    recorded,
+    replay_efficiency,
+)
+from kdagen.space import DEFAULT_SPACES, Space, load_workloads
+from kdagen.studies import (
+    Stamp,
+    TuneError,
+    fail_interrupted,
+    folder_lock,
+    fresh_studies,
+    make_stamp,
+    open_storage,
+    refuse_stale,
+)
+from kdagen.variant import PATHS, Variant
+from kdagen.worker import PoolCompiler, Worker, WorkerFailure
+
+__all__ = ["TuneError", "TuneOptions", "TuneResult", "StudyPlan", "plan_studies", "run"]
+
+# Contract fields a kernel never reads, so any workload value matches (variant.py's rules).
+IGNORED_BY_KERNEL = {"commit": ("conv", "conv_layout", "conv_weight_dtype")}
+
+
+@dataclass
+class TuneOptions:
+    """What ``kdagen tune`` was asked (the CLI's options)."""
+
+    spaces: Sequence[str] = DEFAULT_SPACES
+    workloads: str | Path = "workloads.yaml"
+    trials: int = 32
+    exhaustive: bool = False
+    storage: str | None = None
+    out: Path | None = None  # results in <out>/<fingerprint>/; default generated/ (out/ simulated)
+    match: str | None = None
+    jobs: int = 0
+    timeout_s: float = 120.0
+    rounds: int = 5
+    seed: int = 0
+    lookahead: int = 0  # candidates asked ahead (compiling) of the one on the GPU; 0: auto
+    simulate: dict[str, list[str]] | None = None  # failure patterns: simulated GPU/compiler
+    start_timeout_s: float = 600.0
+
+
+# ---- the plan ----
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """The studies of one contract key: its candidates and batch buckets."""
+
+    key: str
+    kernel: str
+    candidates: tuple[Variant, ...]
+    batches: tuple[int, ...]
+    workloads: tuple[str, ...]
+
+    def study_name(self, batch: int) -> str:
+        return f"{self.key}/b{batch}"
+
+    @property
+    def space_hash(self) -> str:
+        names = "\n".join(sorted(v.name for v in self.candidates))
+        return hashlib.sha256(names.encode()).hexdigest()[:12]
+
+
+def plan_studies(
+    spaces: Sequence[str], workloads_file: str | Path, arch: str, match: str | None = None
+) -> tuple[list[StudyPlan], list[str]]:
+    """Studies for every (workload, space) pair with candidates for ``arch``; notes say what
+    was left out and why."""
+    workloads = load_workloads(workloads_file)
+    by_key: dict[str, dict[str, Any]] = {}
+    notes = []
+    for space_name in spaces:
+        space = Space.load(space_name)
+        variants = space.expand().variants
+        runnable = [v for v in variants if arch in v.spec.archs]
+        if variants and not runnable:
+            notes.append(f"space {space.name}: no path targets {arch}; not tuned here")
+        for w in workloads:
+            for v in runnable:
+                if not _fits(v, w.contract) or (match and match not in v.contract_key):
+                    continue
+                entry = by_key.setdefault(
+                    v.contract_key,
+                    {"kernel": v.kernel, "candidates": [], "batches": set(), "workloads": []},
+                )
+                if v not in entry["candidates"]:
+                    entry["candidates"].append(v)
+                entry["batches"].update(w.batches)
+                if w.name not in entry["workloads"]:
+                    entry["workloads"].append(w.name)
+    plans = [
+        StudyPlan(key, e["kernel"], tuple(e["candidates"]), tuple(sorted(e["batches"])),
+                  tuple(e["workloads"]))
+        for key, e in by_key.items()
+    ]  # fmt: skip
+    return plans, notes
+
+
+def _fits(variant: Variant, contract: dict[str, Any]) -> bool:
+    ignored = IGNORED_BY_KERNEL.get(variant.kernel, ())
+    return all(getattr(variant, k) == v for k, v in contract.items() if k not in ignored)
+
+
+# ---- the run ----
+
+
+@dataclass
+class TuneResult:
+    folder: Path
+    results: list[report.StudyResult]
+    notes: list[str]
+    wall_s: float
+    simulated: bool
+
+
+def run(
+    options: TuneOptions,
+    echo: Callable[[str], None] = print,
+    default_for: Callable[[Variant, int], Variant] | None = None,
+) -> TuneResult:
+    """The whole tuning run; outputs written to ``<out>/<fingerprint>/``. ``default_for``
+    overrides the run-time heuristic (asked of the GPU worker) as each study's default."""
+    started = time.time()
+    logging.getLogger("optuna").setLevel(logging.WARNING)
+    worker, make_compiler = _components(options)
+    compiler = None
+    try:
+        device = worker.call("device", timeout=options.start_timeout_s)
+        compiler = make_compiler(device["arch"])
+        return _run(options, echo, default_for, worker, compiler, device, started)
+    except WorkerFailure as failure:  # only a worker that cannot start gets here
+        raise TuneError(failure.reason) from None
+    finally:
+        if compiler is not None:
+            compiler.close()
+        worker.close()
+
+
+def _components(options: TuneOptions) -> tuple[Worker, Callable[[str], Compiler]]:
+    if options.simulate is not None:
+        from kdagen.simulate import SimulatedCompiler
+
+        worker = Worker("kdagen.simulate:SimulatedEvaluator", {"failures": options.simulate},
+                        options.start_timeout_s)  # fmt: skip
+        return worker, lambda arch: SimulatedCompiler(arch, options.simulate)
+    worker = Worker("kdagen.worker:GpuEvaluator", {}, options.start_timeout_s)
+    return worker, lambda arch: PoolCompiler(arch, options.jobs)
+
+
+def _run(
+    options: TuneOptions,
+    echo: Callable[[str], None],
+    default_for: Callable[[Variant, int], Variant] | None,
+    worker: Worker,
+    compiler: Compiler,
+    device: dict[str, Any],
+    started: float,
+) -> TuneResult:
+    plans, notes = plan_studies(options.spaces, options.workloads, device["arch"], options.match)
+    for note in notes:
+        echo(note)
+    if not plans:
+        raise TuneError("nothing to tune: no workload matches a candidate of the given spaces")
+    # a simulated run never lands in the committed generated/ by default (out/ is ignored)
+    root = options.out or (Path("out") if device.get("simulated") else generated_root())
+    folder = root / device["fingerprint"]
+    storage_url = options.storage or f"sqlite:///{folder / 'studies.db'}"
+    echo(
+        f"tuning {len(plans)} contract keys, {sum(len(p.batches) for p in plans)} studies on "
+        f"{device['fingerprint']}{' (SIMULATED)' if device.get('simulated') else ''}; "
+        f"storage {storage_url}"
+    )
+    with folder_lock(folder):
+        storage = open_storage(storage_url)
+        stamp = make_stamp(device["fingerprint"], list(PATHS))  # every kernel: see fresh_studies
+        refuse_stale(
+            storage, {p.study_name(b): p.space_hash for p in plans for b in p.batches}, stamp
+        )
+        ledger = Ledger()
+        for study in fresh_studies(storage, stamp):
+            ledger.add_study(study)
+        ev = CandidateEvaluator(
+            compiler, worker, ledger, Progress(echo), options.timeout_s, options.seed
+        )
+        for plan in plans:
+            for batch in plan.batches:
+                run_study(ev, storage, plan, batch, stamp, options, default_for)
+        wall = time.time() - started
+        results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
+        report.write_all(folder, results, stamp.as_dict(), device, wall, _jsonable(options))
+    return TuneResult(folder, results, notes, wall, bool(device.get("simulated")))
+
+
+def run_study(
+    ev: CandidateEvaluator,
+    storage: optuna.storages.BaseStorage,
+    plan: StudyPlan,
+    batch: int,
+    stamp: Stamp,
+    options: TuneOptions,
+    default_for: Callable[[Variant, int], Variant] | None = None,
+) -> None:
+    """One (contract key, batch bucket) study: trials until the budget, then the finals."""
+    name = plan.study_name(batch)
+    space = SearchSpace(plan.candidates)
+    study = optuna.create_study(
+        study_name=name, storage=storage, direction="minimize", load_if_exists=True,
+        sampler=make_sampler(_seed(options.seed, name), len(space.candidates)),
+    )  # fmt: skip
+    _stamp_study(study, plan, batch, stamp)
+    fail_interrupted(storage, study)
+    default = (default_for or ev.default)(plan.candidates[0], batch)
+    n = len(space.candidates)
+    budget = n if options.exhaustive else min(options.trials, n)
+    enqueue(study, space, [default, *plan.candidates] if options.exhaustive else [default])
+    started = time.perf_counter()
+    best = [(o.value, name) for name, o in recorded(study).items() if o.ok]
+
+    def told(variant: Variant, outcome: Outcome) -> None:
+        if outcome.ok:
+            best.append((outcome.value, variant.name))
+        ev.progress.show(name, len(recorded(study)), budget, min(best) if best else None)
+
+    lookahead = options.lookahead or max(2, min(options.jobs or os.cpu_count() or 1, 4))
+    drive(study, space, budget, lambda v: ev.score(v, batch), ev.prepare, lookahead, told,
+          random.Random(_seed(options.seed, name)))  # fmt: skip
+    final = study.user_attrs.get("final") or {}
+    if final.get("scored") != len(recorded(study)) or final.get("rounds") != options.rounds:
+        ev.progress.echo(f"[{name}] re-timing finalists, {options.rounds} interleaved rounds")
+        study.set_user_attr(
+            "final", run_finals(ev, study, space.by_name, default, batch, options.rounds)
+        )
+    if set(recorded(study)) >= set(space.by_name) and "efficiency" not in study.user_attrs:
+        study.set_user_attr("efficiency", _efficiency(study, space, default, lookahead))
+    wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started
+    study.set_user_attr("wall_s", round(wall, 2))
+
+
+def _stamp_study(study: optuna.Study, plan: StudyPlan, batch: int, stamp: Stamp) -> None:
+    attrs = {"kernel": plan.kernel, "key": plan.key, "batch": batch, "space": plan.space_hash,
+             "candidates": len(plan.candidates)} | stamp.attrs(plan.kernel)  # fmt: skip
+    attrs["workloads"] = sorted(set(study.user_attrs.get("workloads", [])) | set(plan.workloads))
+    for key, value in attrs.items():
+        if study.user_attrs.get(key) != value:
+            study.set_user_attr(key, value)
+
+
+def _seed(seed: int, name: str) -> int:
+    """A sampler seed per study: reproducible, different across studies."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
+
+
+def _efficiency(
+    study: optuna.Study, space: SearchSpace, default: Variant, lookahead: int
+) -> dict[str, Any] | None:
+    """Trials TPE needs to come within 3 % of this exhaustive study's best, replayed: on its
+    own (the search's efficiency) and with the default enqueued first (as the tuner runs)."""
+    values = {n: o.value for n, o in recorded(study).items()}
+    try:
+        alone = replay_efficiency(space.candidates, values, None, lookahead=lookahead)
+        seeded = replay_efficiency(space.candidates, values, default, lookahead=lookahead)
+    except ValueError:  # nothing succeeded
+        return None
+    return {"candidates": alone.candidates, "best_us": round(alone.best_us, 3),
+            "within": alone.within, "trials": alone.trials, "median": alone.median,
+            "seeded_trials": seeded.trials, "seeded_median": seeded.median,
+            "random_expected": round(alone.random_expected, 2)}  # fmt: skip
+
+
+def _jsonable(options: TuneOptions) -> dict[str, Any]:
+    """The options as JSON (the run log in the output folder)."""
+    return json.loads(json.dumps(vars(options), default=str))

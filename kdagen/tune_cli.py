@@ -1,0 +1,107 @@
+"""The ``kdagen tune`` command (registered on the app in kdagen/cli.py).
+
+Kept out of cli.py so the command stays a thin shell over kdagen.tune, and light to import:
+Optuna and the tuner load only when the command runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from kdagen.report import StudyResult
+
+SPACE_HELP = "search-space YAML (a path, or a name in search_spaces/); default: every shipped space"
+
+
+def tune(
+    space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
+    workloads: Path = typer.Option(
+        Path("workloads.yaml"), help="workloads YAML (a path, or a name in search_spaces/)"
+    ),
+    trials: int = typer.Option(
+        None, "--trials", "-n", min=1, help="candidates scored per study by TPE [default: 32]"
+    ),
+    exhaustive: bool = typer.Option(False, help="score every candidate (small spaces)"),
+    storage: str = typer.Option(
+        None, help="Optuna storage URL [default: sqlite:///<out>/<gpu>/studies.db]"
+    ),
+    out: Path = typer.Option(
+        None, help="output root; results go to <out>/<gpu-fingerprint>/ [default: generated/]"
+    ),
+    match: str = typer.Option(None, help="only contract keys containing this"),
+    jobs: int = typer.Option(0, "--jobs", "-j", help="compile processes (0: one per CPU)"),
+    timeout: float = typer.Option(
+        120.0, help="seconds one GPU call (check, or one timing) may take before it fails"
+    ),
+    rounds: int = typer.Option(5, min=1, help="interleaved re-timing rounds of the finalists"),
+    seed: int = typer.Option(0, help="sampler seed (and check input seed)"),
+    simulate: bool = typer.Option(
+        False,
+        hidden=True,
+        envvar="KDAGEN_TUNE_SIMULATE",
+        help="for tests and CI: a simulated GPU and compiler, nothing is measured",
+    ),
+) -> None:
+    """Tune: an Optuna study per (contract key, batch bucket); dispatch table, winners and
+    report.md in <out>/<gpu-fingerprint>/. A killed run resumes where it stopped."""
+    if exhaustive and trials is not None:
+        raise typer.BadParameter("give --trials N or --exhaustive, not both")
+    if not simulate:
+        _require_gpu()
+    from kdagen.space import DEFAULT_SPACES, SpaceError
+    from kdagen.tune import TuneError, TuneOptions, run
+
+    options = TuneOptions(
+        spaces=tuple(space or DEFAULT_SPACES), workloads=workloads, trials=trials or 32,
+        exhaustive=exhaustive, storage=storage, out=out, match=match, jobs=jobs,
+        timeout_s=timeout, rounds=rounds, seed=seed,
+    )  # fmt: skip
+    if simulate:
+        from kdagen.simulate import DEFAULT_FAILURES
+
+        options.simulate = DEFAULT_FAILURES
+    try:
+        result = run(options, echo=lambda line: typer.echo(line, err=True))
+    except (TuneError, SpaceError) as err:
+        typer.echo(f"kdagen tune: {err}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo("kdagen tune: interrupted; run the same command again to resume", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(summary_table(result.results, result.simulated))
+    typer.echo(f"wrote {result.folder} (dispatch.json, winners.json, report.md, plots/)")
+
+
+def summary_table(results: Sequence[StudyResult], simulated: bool) -> str:
+    """One row per study: winner, its time, the default's, speedup, margin, why it won."""
+    from kdagen.report import fmt, short_name
+
+    rows = [("contract key", "B", "trials", "failed", "winner", "us", "default us", "speedup",
+             "vs runner-up", "pick")]  # fmt: skip
+    for r in sorted(results, key=lambda r: (r.key, r.batch)):
+        f = r.final
+        rows.append((
+            r.key, str(r.batch), str(r.trials), str(len(r.failures)),
+            short_name(f.get("winner"), r.key), fmt(f.get("time_us")), fmt(f.get("default_us")),
+            f"{fmt(r.speedup, '.3f')}x", f"{fmt(f.get('margin_runner_up_pct'), '+.1f')} %",
+            str(f.get("pick", "-")),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]  # fmt: skip
+    if simulated:
+        lines.insert(0, "SIMULATED (kdagen/simulate.py): no time below was measured")
+    return "\n".join(lines)
+
+
+def _require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        typer.echo("kdagen tune: needs a CUDA GPU; none is visible", err=True)
+        raise typer.Exit(2)

@@ -1,0 +1,107 @@
+"""The Hopper verify kernel on a GPU: the vLLM entry point, the spec-decode loop with commit,
+and the default (untuned) dispatch. Every shipped variant is checked by ``kdagen check``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kdagen import reference
+from kdagen.check_verify import VerifyCase, run_verify_case
+from kdagen.runtime import commit, verify
+from kdagen.testing import bits, clone_inputs, make_verify_inputs, poison_, verify_args
+from kdagen.variant import Variant
+from kdagen.vllm import kda_recoverssm_verify
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs a Hopper (sm_90) GPU",
+    ),
+]
+
+SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
+H, Q = 12, 4
+
+
+def test_vllm_entry_point_gives_the_same_outputs_as_verify() -> None:
+    inputs = make_verify_inputs(20, H, Q, device="cuda", seed=SEED)
+    variant = Variant(kernel="verify", heads=H, window=Q, path="sm90_wgmma", ctas=396)
+    ours = clone_inputs(inputs)
+    verify(**verify_args(ours), variant=variant)
+
+    tokens, slots = inputs["qkv"].shape[0], inputs["slots"]
+    qkv = inputs["qkv"].view(1, tokens, 3, H, 128)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # strided views, no copy
+    blocks = inputs["state"].shape[0]
+    corr = poison_(torch.empty(blocks, H, Q, 128, dtype=torch.float32, device="cuda"))
+    kg = poison_(torch.empty(blocks, H, Q, 256, dtype=torch.bfloat16, device="cuda"))
+    corr_before, kg_before = bits(corr).clone(), bits(kg).clone()
+    out = kda_recoverssm_verify(
+        q, k, v, inputs["raw_g"].view(1, tokens, H, 128), inputs["raw_beta"].view(1, tokens, H),
+        inputs["a_log"], inputs["dt_bias"], inputs["lower_bound"], inputs["state"], corr, kg,
+        inputs["query_start"], slots, Q,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out.view(tokens, -1)), bits(ours["out"])), f"seed {SEED}"
+    written = torch.zeros(blocks, dtype=torch.bool, device="cuda")
+    for b, (slot, qlen) in enumerate(zip(slots.tolist(), inputs["qlen"], strict=True)):
+        if slot > 0 and qlen > 0:
+            written[slot] = True
+            assert torch.equal(corr[slot, :, :qlen], ours["corr"][b, :, :qlen]), f"seed {SEED}"
+            assert torch.equal(bits(kg[slot, :, :qlen]), bits(ours["kg"][b, :, :qlen]))
+    # Blocks of no live request keep their poison.
+    assert torch.equal(bits(corr)[~written], corr_before[~written])
+    assert torch.equal(bits(kg)[~written], kg_before[~written])
+
+
+def test_vllm_entry_point_rejects_the_unbounded_gate() -> None:
+    inputs = make_verify_inputs(2, H, Q, device="cuda", seed=SEED)
+    t = inputs["qkv"].shape[0]
+    x = torch.zeros(1, t, H, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_recoverssm_verify(x, x, x, x, x[..., 0], inputs["a_log"], inputs["dt_bias"], None,
+                              inputs["state"], inputs["corr"], inputs["kg"],
+                              inputs["query_start"], inputs["slots"], Q)  # fmt: skip
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_default_dispatch_passes_the_check(conv: bool) -> None:
+    """variant=None: the built-in heuristic's choice for this GPU, through the full check."""
+    from kdagen.runtime import default_verify_variant
+
+    variant = default_verify_variant(H, Q, "int32", 48, conv=conv)
+    result = run_verify_case(variant, VerifyCase("random", 48), SEED)
+    assert result.passed, f"seed {SEED}: {result.error or result.summary()}"
+
+
+def test_spec_decode_loop_verify_accept_commit() -> None:
+    """Kernels verify -> accept -> commit -> verify ... back to back on one stream (PDL on)
+    track the fp64 reference of the same loop: outputs every step, the state at the end."""
+    gen = torch.Generator().manual_seed(SEED)
+    inputs = make_verify_inputs(16, H, Q, device="cuda", seed=SEED, ragged=False, nulls=True)
+    ref = clone_inputs(inputs)
+    ref["state"] = ref["state"].double()
+    for step in range(4):
+        if step:  # fresh activations, same pool and slots
+            fresh = make_verify_inputs(16, H, Q, device="cuda", seed=SEED + step, ragged=False,
+                                       nulls=True)  # fmt: skip
+            for key in ("qkv", "raw_g", "raw_beta"):
+                inputs[key].copy_(fresh[key])
+                ref[key].copy_(fresh[key])
+        verify(**verify_args(inputs))
+        reference.verify(**verify_args(ref), compute_dtype=torch.float64)
+        accepted = torch.randint(1, Q + 1, (16,), generator=gen, dtype=torch.int32).cuda()
+        commit(inputs["state"], inputs["corr"], inputs["kg"], inputs["a_log"], inputs["dt_bias"],
+               inputs["slots"], accepted, lower_bound=inputs["lower_bound"])  # fmt: skip
+        reference.commit(ref["state"], ref["corr"], ref["kg"], ref["a_log"], ref["dt_bias"],
+                         ref["slots"], accepted, lower_bound=ref["lower_bound"],
+                         null_slot=ref["null_slot"], compute_dtype=torch.float64)  # fmt: skip
+        torch.cuda.synchronize()
+        got, want = inputs["out"].double(), ref["out"].double()
+        assert (got - want).norm() <= 1e-2 * want.norm(), f"step {step}, seed {SEED}"
+    got, want = inputs["state"].double(), ref["state"]
+    assert (got - want).norm() <= 1e-2 * want.norm(), f"seed {SEED}"

@@ -1,0 +1,119 @@
+"""The Hopper verify path (sm90_wgmma), checked on the CPU: the space covers the contract,
+every variant compiles without spills into a budget that keeps CTAs resident, the PTX has the
+instructions the design relies on, and the rendered source carries no other variant's code.
+The GPU checks (``kdagen check``, tests/test_gpu_verify.py) run on the H200."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kdagen import compile as kcompile
+from kdagen.render import render
+from kdagen.space import Space
+from kdagen.variant import Variant, VariantError
+
+SM90 = Space.load("verify_sm90.yaml").expand().variants
+SM_SHARED = 232448  # bytes of shared memory per H100/H200 SM usable by CTAs
+REGISTERS = 65536  # per SM
+
+
+def _record(records: list[kcompile.CompileRecord], name: str) -> kcompile.CompileRecord:
+    return next(r for r in records if r.variant == name and r.arch == "sm_90a")
+
+
+def _ptx(name: str, cache: Path) -> str:
+    return (kcompile.variant_dir(Variant.parse(name), cache) / "sm_90a" / "kernel.ptx").read_text()
+
+
+def test_space_covers_every_contract_variant() -> None:
+    keys = {(v.heads, v.window, v.conv, v.conv_layout, v.conv_weight_dtype, v.slot_dtype)
+            for v in SM90}  # fmt: skip
+    conv = [(False, "token_major", "bf16")] + [
+        (True, layout, dtype)
+        for layout in ("token_major", "dim_first")
+        for dtype in ("bf16", "fp32")
+    ]
+    expected = {(h, q, *c, s) for h in (12, 32, 96) for q in range(1, 9) for c in conv
+                for s in ("int32", "int64")}  # fmt: skip
+    assert keys == expected
+    assert all(v.path == "sm90_wgmma" and v.spec.archs == ("sm_90a",) for v in SM90)
+    assert not any(v.conv and v.row_split > 1 for v in SM90)
+
+
+def test_every_sm90_variant_compiles_without_spills(records) -> None:
+    mine = [r for r in records if "-sm90_wgmma-" in r.variant and r.arch == "sm_90a"]
+    assert len(mine) == len(SM90)
+    assert not [(r.variant, r.error) for r in mine if not r.ok][:3]
+    assert all(r.frame_bytes == 0 for r in mine), [r.variant for r in mine if r.frame_bytes]
+    skipped = [r for r in records if "-sm90_wgmma-" in r.variant and r.arch == "sm_100a"]
+    assert skipped and all(r.status == "skipped" for r in skipped)
+
+
+def _resident(r: kcompile.CompileRecord) -> int:
+    """CTAs of 128 threads one SM holds by registers and shared memory (+1 KiB reserved)."""
+    return min(REGISTERS // (128 * r.registers), SM_SHARED // (r.smem_bytes + 1024))
+
+
+def test_residency_the_grid_bound_assumes(records) -> None:
+    """ctas = resident CTAs x 132 SMs. Single-buffered variants must hold 3 CTAs per SM (the
+    ctas = 396 default point), conv-off ones 4 (ctas = 528); a second 32 KiB state buffer
+    costs residency (2 per SM at 128 rows): CTAs beyond it start late and take fewer items."""
+    for v in SM90:
+        resident = _resident(_record(records, v.name))
+        if v.stages == 1:
+            assert resident >= (3 if v.conv else 4), (v.name, resident)
+        else:
+            assert resident >= (2 if v.row_split == 1 else 3), (v.name, resident)
+
+
+@pytest.mark.parametrize(
+    ("name", "n_cols", "m_tiles"),
+    [
+        ("verify-h12-q8-i32-sm90_wgmma-r1-c528-s1-pdl", 32, 2),
+        ("verify-h12-q8-i32-sm90_wgmma-r2-c528-s2-pdl", 32, 1),
+        ("verify-h32-q1-conv-df-fp32-i64-sm90_wgmma-r1-c396-s1-pdl", 8, 2),
+        ("verify-h96-q3-conv-tm-bf16-i32-sm90_wgmma-r1-c396-s1-pdl", 16, 2),
+    ],
+)
+def test_ptx_has_the_designed_instructions(
+    cache: Path, name: str, n_cols: int, m_tiles: int
+) -> None:
+    """K / 16 wgmma steps per 64-row tile with N = the (hi, lo) probe columns; the state by
+    TMA on an mbarrier; PDL; the work ticket."""
+    ptx = _ptx(name, cache)
+    mma = f"wgmma.mma_async.sync.aligned.m64n{n_cols}k16.f32.bf16.bf16"
+    assert ptx.count(mma) == 8 * m_tiles
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier::complete_tx::bytes" in ptx
+    assert "wgmma.wait_group.sync.aligned" in ptx and "fence.proxy.async" in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert "atom.global.add.u32" in ptx
+
+
+def test_rendered_source_has_only_its_variant() -> None:
+    plain = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-r1-c528-s1-nopdl"))
+    assert "conv_state" not in plain and "SPLIT" not in plain and "use_stage" not in plain
+    assert "griddepcontrol" not in plain and "use_pdl=False" in plain
+    split = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-r2-c528-s2-pdl"))
+    assert "SPLIT = 2" in split and "use_stage" in split and "conv_state" not in split
+    conv = render(Variant.parse("verify-h12-q4-conv-df-fp32-i32-sm90_wgmma-r1-c396-s1-pdl"))
+    assert "conv_state[slot, channel, first + i]" in conv and "load_words" not in conv
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"row_split": 4}, "row_split=4 is not allowed for path 'sm90_wgmma'"),
+        ({"conv": True, "row_split": 2}, "row_split=2 is not allowed with conv=True"),
+        ({"stages": 3}, "stages=3 is not allowed"),
+    ],
+)
+def test_variant_rules_name_the_field(fields: dict, message: str) -> None:
+    with pytest.raises(VariantError, match=message):
+        Variant(kernel="verify", heads=12, window=8, path="sm90_wgmma", **fields)
+
+
+def test_names_round_trip() -> None:
+    for v in SM90[::37]:
+        assert Variant.parse(v.name) == v

@@ -1,0 +1,375 @@
+"""The tuner on a simulated GPU (kdagen/simulate.py) and simulated compiler, CPU only: the trial
+loop, failures scored and never retried, a dying or hanging worker replaced, resume after a
+kill, the finalists' pick, the outputs, search-efficiency replay and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+from typer.testing import CliRunner
+
+from kdagen import dispatch
+from kdagen.check import CaseResult
+from kdagen.cli import app
+from kdagen.compile import variant_dir
+from kdagen.finals import pick_winner
+from kdagen.search import (
+    FAILURE_SCORE,
+    Outcome,
+    SearchSpace,
+    drive,
+    enqueue,
+    recorded,
+    replay_efficiency,
+)
+from kdagen.space import Space
+from kdagen.studies import Stamp, TuneError, open_storage, refuse_stale
+from kdagen.tune import TuneOptions, plan_studies, run
+from kdagen.variant import Variant
+from kdagen.worker import PoolCompiler, Worker, WorkerFailure, describe_check
+
+KEY = "commit-h12-q1-i32"
+FAILURES = {
+    "compile": ["h12-q1-i32-bulk-t256-v8-r4-"],
+    "wrong": ["h12-q1-i32-bulk-t128-v8-r2-"],
+    "die": ["h12-q1-i32-bulk-t256-v4-r2-"],
+    "hang": ["h12-q1-i32-bulk-t256-v8-r1-"],
+}
+DEFAULT = f"{KEY}-bulk-t128-v4-r4-pdl"
+SIM = "kdagen.simulate:SimulatedEvaluator"
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def candidates() -> list[Variant]:
+    return [v for v in Space.load("commit.yaml").expand().variants if v.contract_key == KEY]
+
+
+def fixed_default(base: Variant, batch: int) -> Variant:
+    """The default config of every study: a candidate, so it is enqueued as trial 0."""
+    return Variant.parse(DEFAULT)
+
+
+@pytest.fixture
+def workloads(tmp_path: Path) -> Path:
+    path = tmp_path / "workloads.yaml"
+    path.write_text("workloads:\n  - {name: tiny, heads: 12, window: 1, batches: [1, 64]}\n")
+    return path
+
+
+def options(tmp_path: Path, workloads: Path, **changes: object) -> TuneOptions:
+    base = TuneOptions(
+        spaces=("commit.yaml",), workloads=workloads, match=f"{KEY}", trials=4,
+        out=tmp_path / "gen", rounds=2, timeout_s=1.5, lookahead=3, simulate=FAILURES,
+    )  # fmt: skip
+    for key, value in changes.items():
+        setattr(base, key, value)
+    return base
+
+
+def studies_of(folder: Path) -> dict[str, optuna.Study]:
+    storage = f"sqlite:///{folder / 'studies.db'}"
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    return {n: optuna.load_study(study_name=n, storage=storage) for n in names}
+
+
+def scored_names(study: optuna.Study) -> list[str]:
+    """Variants of the study's scored trials, repeats included (a duplicate = a re-run)."""
+    return [
+        t.user_attrs["variant"]
+        for t in study.get_trials(states=(TrialState.COMPLETE,))
+        if t.user_attrs.get("status") in ("ok", "failed")
+    ]
+
+
+# ---- the search space and the trial loop (in memory) ----
+
+
+def test_search_space_maps_points_to_candidates_and_names_invalid_ones() -> None:
+    space = SearchSpace(candidates())
+    assert len(space.candidates) == 11
+    assert space.choices == {"threads": [128, 256], "vec": [4, 8], "row_split": [1, 2, 4],
+                             "pdl": [True]}  # fmt: skip
+    ok = optuna.trial.FixedTrial({"path": "bulk", "threads": 256, "vec": 4, "row_split": 1,
+                                  "pdl": True})  # fmt: skip
+    assert space.variant_of(ok) == Variant.parse(f"{KEY}-bulk-t256-v4-r1-pdl")
+    removed = optuna.trial.FixedTrial({"path": "bulk", "threads": 128, "vec": 4,
+                                       "row_split": 1, "pdl": True})  # fmt: skip
+    assert space.variant_of(removed) == "invalid: removed by a constraint of the search space"
+
+
+def test_drive_scores_each_candidate_once_and_failures_rank_last() -> None:
+    space = SearchSpace(candidates())
+    calls: list[str] = []
+
+    def evaluate(v: Variant) -> Outcome:
+        calls.append(v.name)
+        if v.vec == 8 and v.row_split == 4:
+            return Outcome(FAILURE_SCORE, {"status": "failed", "reason": "compile error: x"})
+        return Outcome(10.0 + v.row_split + v.threads / 128, {"status": "ok"})
+
+    prepared: list[str] = []
+    study = optuna.create_study()
+    enqueue(study, space, [Variant.parse(DEFAULT)])
+    scored = drive(study, space, 11, evaluate, lambda v: prepared.append(v.name), lookahead=3)
+    assert scored == 11 and sorted(calls) == sorted(v.name for v in space.candidates)
+    assert calls[0] == DEFAULT  # the enqueued default goes first
+    assert prepared == calls  # every candidate is handed to the compiler before it is timed
+    values = recorded(study)
+    assert values[f"{KEY}-bulk-t128-v8-r4-pdl"].value == FAILURE_SCORE
+    assert study.best_trial.user_attrs["variant"] == f"{KEY}-bulk-t128-v8-r1-pdl"
+    # TPE re-suggests points; repeats are told the recorded value, never re-run
+    for t in study.get_trials(states=(TrialState.COMPLETE,)):
+        if t.user_attrs["status"] == "repeat":
+            assert t.value == values[t.user_attrs["variant"]].value
+    assert drive(study, space, 11, evaluate) == 0  # a finished study scores nothing more
+
+
+# ---- finalists ----
+
+
+def test_within_noise_the_default_wins() -> None:
+    times = {"fast": [10.0, 10.05, 10.02], "default": [10.06, 10.08, 10.07], "slow": [12.0] * 3}
+    pick = pick_winner(times, "default", lambda n: (0,))
+    assert pick.winner == "default" and pick.pick == "default within noise"
+    assert pick.runner_up == "fast" and pick.margin_runner_up_pct < 0
+    assert pick.margin_default_pct == 0.0 and pick.noise_pct == 1.0
+
+
+def test_a_clear_winner_beats_the_default_and_records_margins() -> None:
+    times = {"fast": [9.0, 9.02, 9.01], "second": [9.5] * 3, "default": [10.0, 10.1, 10.05]}
+    pick = pick_winner(times, "default", lambda n: (0,))
+    assert (pick.winner, pick.pick, pick.runner_up) == ("fast", "fastest", "second")
+    assert pick.margin_runner_up_pct == pytest.approx(100 * (9.5 - 9.01) / 9.01, abs=0.01)
+    assert pick.margin_default_pct == pytest.approx(100 * (10.05 - 9.01) / 9.01, abs=0.01)
+
+
+def test_within_noise_the_simpler_config_wins_and_noise_follows_the_spread() -> None:
+    simpler = {"split4": (4,), "split1": (1,), "default": (2,)}
+    times = {"split4": [10.0, 10.5, 9.7], "split1": [10.2, 10.1, 10.3], "default": [13.0] * 3}
+    pick = pick_winner(times, "default", lambda n: simpler[n])
+    assert pick.noise_pct == pytest.approx(100 * 0.8 / 10.0, abs=0.01)  # the fastest's range
+    assert (pick.winner, pick.pick) == ("split1", "simplest within noise")
+
+
+# ---- the worker ----
+
+
+def test_worker_is_replaced_after_death_and_timeout() -> None:
+    worker = Worker(SIM, {"failures": {"die": ["-DIE-"], "hang": ["-HANG-"]}}, 60)
+    try:
+        assert worker.call("check", "commit-h12-q1-i32-bulk-t128-v4-r4-pdl", 0, timeout=30) is None
+        first = worker.pid
+        with pytest.raises(WorkerFailure) as died:
+            worker.call("check", "x-DIE-y", 0, timeout=30)
+        assert died.value.kind == "died"
+        assert died.value.reason == "worker died: exit code 3 during check"
+        with pytest.raises(WorkerFailure) as hung:
+            worker.call("check", "x-HANG-y", 0, timeout=0.5)
+        assert hung.value.kind == "timeout" and "no answer in 0.5 s" in hung.value.reason
+        assert worker.call("device", timeout=30)["arch"] == "sm_90a"
+        assert worker.pid != first and worker.starts == 3
+    finally:
+        worker.close()
+
+
+def test_check_failures_read_as_reasons() -> None:
+    good = CaseResult("v", "basic", 0.0, 1e-4, 1e-4, True, True)
+    wrong = CaseResult("v", "padded-stride", 0.1, 0.31, 0.04, True, True)
+    raised = CaseResult("v", "b1", 0.0, 0.0, 0.0, True, True, error="RuntimeError: illegal address")
+    assert describe_check([good, good]) is None
+    assert describe_check([good, wrong, raised]) == (
+        "wrong result: case padded-stride (max_rel 3.10e-01 rel_l2 4.00e-02 max_abs 1.00e-01 "
+        "untouched ok repeat same)"
+    )
+    assert describe_check([raised]) == "launch error: case b1: RuntimeError: illegal address"
+
+
+def test_compiled_variants_come_from_the_cache_without_a_pool(tmp_path: Path) -> None:
+    variant = Variant.parse(DEFAULT)
+    record = variant_dir(variant, tmp_path) / "sm_90a" / "record.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"variant": variant.name, "arch": "sm_90a", "digest": "d",
+                                  "status": "error", "seconds": 1.0, "error": "boom"}))  # fmt: skip
+    compiler = PoolCompiler("sm_90a", jobs=1, root=tmp_path)
+    got = compiler.result(variant)
+    assert (got.status, got.error, got.cached) == ("error", "boom", True)  # a cached failure
+    assert compiler._pool is None  # no compiler process was started for it
+    compiler.close()
+
+
+# ---- the whole run (simulated GPU) ----
+
+
+def test_tune_scores_failures_never_retries_and_writes_the_outputs(
+    tmp_path: Path, workloads: Path
+) -> None:
+    lines: list[str] = []
+    result = run(options(tmp_path, workloads, exhaustive=True), lines.append, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    assert result.folder == folder and result.simulated
+    studies = studies_of(folder)
+    assert sorted(studies) == [f"{KEY}/b1", f"{KEY}/b64"]
+    reasons: dict[str, set[str]] = {}
+    for study in studies.values():
+        names = scored_names(study)
+        assert sorted(names) == sorted(v.name for v in candidates())  # each exactly once
+        for t in study.get_trials(states=(TrialState.COMPLETE,)):
+            if t.user_attrs.get("status") == "failed":
+                assert t.value == FAILURE_SCORE
+                reasons.setdefault(t.user_attrs["variant"], set()).add(t.user_attrs["reason"])
+    assert reasons == {
+        f"{KEY}-bulk-t256-v8-r4-pdl": {
+            "compile error: error: simulated: shared memory 240 KiB exceeds 227 KiB per block"
+        },
+        f"{KEY}-bulk-t128-v8-r2-pdl": {
+            "wrong result: case padded-stride (max_rel 3.10e-01, rel_l2 4.20e-02)"
+        },
+        f"{KEY}-bulk-t256-v4-r2-pdl": {"worker died: exit code 3 during check"},
+        f"{KEY}-bulk-t256-v8-r1-pdl": {"timeout: no answer in 1.5 s (check)"},
+    }
+    # never retried: the second study reuses the first one's failures without the GPU
+    second = [
+        t for t in studies[f"{KEY}/b64"].get_trials() if t.user_attrs.get("status") == "failed"
+    ]
+    assert len(second) == 4 and all(t.user_attrs["known"] for t in second)
+    last = [line for line in lines if " scored | " in line][-1]  # the run's final counts
+    assert "compiled 10 checked 7 " in last  # 7 pass, each checked once for both studies
+    assert "failed 4 (compile 1, died 1, timeout 1, wrong 1)" in last
+
+    table = dispatch.load_table(folder)
+    assert table is not None and table.fingerprint == "simulated-h200-sm90-132sm"
+    dispatch.check_fresh(table, "commit", "test")  # stamped with today's templates and DSL
+    assert [e.batch for e in table.entries[KEY]] == [1, 64]
+    for entry, study in zip(
+        table.entries[KEY], (studies[f"{KEY}/b1"], studies[f"{KEY}/b64"]), strict=True
+    ):
+        final = study.user_attrs["final"]
+        assert (
+            entry.variant == final["winner"] and entry.tuning == Variant.parse(entry.variant).tuning
+        )
+        assert len(final["times"][final["winner"]]) == 2  # two interleaved rounds
+        assert final["default"] == DEFAULT and final["default"] in final["times"]
+        assert final["winner"] not in reasons
+    winners = json.loads((folder / "winners.json").read_text())
+    assert {w["batch"] for w in winners} == {1, 64} and winners[0]["trials"] == 11
+    report = (folder / "report.md").read_text()
+    assert "**SIMULATED" in report and "| tiny | `commit-h12-q1-i32` | 2 |" in report
+    assert "Median over these studies: **TPE " in report  # exhaustive: efficiency replayed
+    efficiency = studies[f"{KEY}/b1"].user_attrs["efficiency"]
+    assert efficiency["candidates"] == 11 and len(efficiency["trials"]) == 11
+    assert all(1 <= t <= 11 for t in efficiency["trials"] + efficiency["seeded_trials"])
+    assert "worker died: exit code 3 during check" in report
+    assert (folder / "plots" / f"{KEY}.svg").read_text().startswith("<svg")
+
+
+def test_a_killed_run_resumes_without_redoing_trials(tmp_path: Path, workloads: Path) -> None:
+    run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    study = studies_of(folder)[f"{KEY}/b1"]
+    before = {t.number: (t.user_attrs["variant"], t.value) for t in study.get_trials()
+              if t.user_attrs.get("status") in ("ok", "failed")}  # fmt: skip
+    assert len(before) == 4
+    killed = study.ask()  # what a kill leaves behind: a trial RUNNING forever
+    killed.suggest_categorical("path", ["bulk"])
+
+    run(options(tmp_path, workloads, simulate={}, trials=7), lambda s: None, fixed_default)
+    study = studies_of(folder)[f"{KEY}/b1"]
+    assert study.trials[killed.number].state == TrialState.FAIL
+    after = {t.number: (t.user_attrs["variant"], t.value) for t in study.get_trials()
+             if t.user_attrs.get("status") in ("ok", "failed")}  # fmt: skip
+    assert {n: after[n] for n in before} == before  # kept, not redone
+    names = scored_names(study)
+    assert len(names) == 7 and len(set(names)) == 7
+    assert study.user_attrs["final"]["scored"] == 7  # finals re-run on the larger set
+
+
+def test_storage_of_other_templates_is_refused(tmp_path: Path) -> None:
+    storage = open_storage(f"sqlite:///{tmp_path / 'studies.db'}")
+    study = optuna.create_study(study_name=f"{KEY}/b1", storage=storage)
+    for key, value in {"kernel": "commit", "fingerprint": "gpu", "dsl_version": "4.8.1",
+                       "template_hash": "old", "space": "abc"}.items():  # fmt: skip
+        study.set_user_attr(key, value)
+    stamp = Stamp("gpu", "4.8.1", {"commit": "new"})
+    with pytest.raises(TuneError, match="template_hash 'old' \\(now 'new'\\)"):
+        refuse_stale(storage, {f"{KEY}/b1": "abc"}, stamp)
+    with pytest.raises(TuneError, match="search space\\) changed"):
+        refuse_stale(storage, {f"{KEY}/b1": "xyz"}, Stamp("gpu", "4.8.1", {"commit": "old"}))
+    refuse_stale(storage, {f"{KEY}/b1": "abc"}, Stamp("gpu", "4.8.1", {"commit": "old"}))
+
+
+def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -> None:
+    plans, notes = plan_studies(("commit.yaml", "verify_sm100.yaml"), "workloads.yaml", "sm_90a")
+    keys = {p.key: p for p in plans}
+    assert "commit-h12-q8-i32" in keys and "commit-h12-q8-i64" in keys
+    assert keys["commit-h12-q8-i32"].workloads == ("h12-q8", "h12-q8-conv")  # commit ignores conv
+    assert keys["commit-h12-q8-i32"].batches == (1, 4, 16, 64, 256, 512)
+    assert len(keys["commit-h12-q8-i32"].candidates) == 11
+    assert not any(k.startswith("verify") for k in keys)  # sm_100a only: not on this GPU
+    assert any("verify_sm100" in n and "sm_90a" in n for n in notes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tune_on_the_gpu(tmp_path: Path, workloads: Path) -> None:
+    """A real, small tune: compile pool, GPU worker, check, cold-L2 timing, finals."""
+    from kdagen.fingerprint import gpu_fingerprint
+
+    opts = TuneOptions(spaces=("commit.yaml",), workloads=workloads, match=KEY, trials=3,
+                       rounds=2, out=tmp_path, jobs=4)  # fmt: skip
+    result = run(opts, print)
+    assert result.folder.name == gpu_fingerprint() and not result.simulated
+    table = dispatch.load_table(result.folder)
+    assert table is not None
+    dispatch.check_fresh(table, "commit", "test")
+    assert [e.batch for e in table.entries[KEY]] == [1, 64]
+    assert all(e.time_us and e.time_us > 0 for e in table.entries[KEY])
+    assert all(not r.failures for r in result.results), [r.failures for r in result.results]
+
+
+# ---- search efficiency ----
+
+
+def test_search_efficiency_replays_tpe_against_recorded_times() -> None:
+    cands = candidates()
+    values = {v.name: 10.0 + 3 * v.row_split + v.threads / 64 + (v.vec == 8) for v in cands}
+    best = min(values, key=values.__getitem__)
+    values[f"{KEY}-bulk-t256-v8-r4-pdl"] = FAILURE_SCORE
+    seeded_best = replay_efficiency(cands, values, Variant.parse(best), seeds=range(3))
+    assert seeded_best.trials == [1, 1, 1]
+    worst = max((n for n in values if values[n] < FAILURE_SCORE), key=values.__getitem__)
+    eff = replay_efficiency(cands, values, Variant.parse(worst), seeds=range(5))
+    assert all(2 <= t <= 11 for t in eff.trials) and eff.best_us == values[best]
+    good = sum(1 for t in values.values() if t <= values[best] * 1.03)
+    assert eff.random_expected == pytest.approx(12 / (good + 1))
+
+
+# ---- CLI ----
+
+runner = CliRunner()
+
+
+def test_tune_help_lists_the_options() -> None:
+    result = runner.invoke(app, ["tune", "--help"])
+    assert result.exit_code == 0
+    for option in ("--trials", "--exhaustive", "--storage", "--out", "--workloads", "--space"):
+        assert option in result.output
+    assert "--simulate" not in result.output  # for tests and CI only
+
+
+def test_tune_cli_simulated_run(tmp_path: Path, workloads: Path) -> None:
+    args = ["tune", "--simulate", "--space", "commit.yaml", "--workloads", str(workloads),
+            "--match", KEY, "--trials", "3", "--rounds", "2", "--out", str(tmp_path)]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "SIMULATED (kdagen/simulate.py): no time below was measured" in result.output
+    assert f"{KEY}  1 " in result.output and f"{KEY}  64 " in result.output
+    assert "3/3 scored" in result.output  # progress lines (stderr, mixed in by the runner)
+    assert (tmp_path / "simulated-h200-sm90-132sm" / "dispatch.json").exists()
+    both = runner.invoke(app, ["tune", "--simulate", "--trials", "3", "--exhaustive"])
+    assert both.exit_code != 0 and "not both" in both.output

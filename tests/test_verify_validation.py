@@ -1,0 +1,105 @@
+"""verify's and the vLLM entry point's input validation, on the CPU: every bad input gets an
+error naming the tensor and what was expected, before anything reaches the DSL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kdagen.runtime import validate_verify
+from kdagen.testing import make_verify_inputs
+from kdagen.validate import KdaInputError
+from kdagen.variant import Variant
+from kdagen.vllm import kda_recoverssm_verify
+
+H, Q = 2, 4
+VARIANT = Variant(kernel="verify", heads=H, window=Q, path="sm90_wgmma", ctas=396)
+
+
+def _inputs(conv: bool = False) -> dict[str, Any]:
+    return make_verify_inputs(7, H, Q, conv=conv, seed=1)
+
+
+def _validate(inputs: dict[str, Any], variant: Variant | str = VARIANT, **changes: Any):
+    x = {**inputs, **changes}
+    width = H * 128
+    qkv = x.pop("qkv")
+    q, k, v = qkv[:, :width], qkv[:, width : 2 * width], qkv[:, 2 * width :]
+    q, k, v = changes.get("q", q), changes.get("k", k), changes.get("v", v)
+    conv = {n: x[n] for n in ("conv_state", "conv_w", "accepted")}
+    return validate_verify(
+        q, k, v, x["raw_g"], x["raw_beta"], x["a_log"], x["dt_bias"], x["state"],
+        x["query_start"], x["slots"], x["out"], x["corr"], x["kg"],
+        lower_bound=x["lower_bound"], null_slot=x["null_slot"], conv_dim_first=x["conv_dim_first"],
+        variant=variant, require_cuda=False, **conv,
+    )  # fmt: skip
+
+
+def test_good_inputs_pass_with_the_fused_projection_stride() -> None:
+    launch = _validate(_inputs())
+    assert launch.act_stride == 3 * H * 128 and launch.batch == 7 and not launch.records_by_slot
+    assert launch.slot_stride == H * 128 * 128 + 512
+
+
+def test_good_conv_inputs_pick_the_conv_contract() -> None:
+    conv_variant = VARIANT.replace(conv=True)
+    assert _validate(_inputs(conv=True), conv_variant).variant == conv_variant
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda x: {"raw_g": x["raw_g"].float()}, "`raw_g` must be bfloat16, got float32"),
+        (lambda x: {"out": x["out"][:-1]}, "`out` must have shape"),
+        (lambda x: {"corr": x["corr"][:3]}, "`corr` must have shape [rows>=7, 2, 4, 128]"),
+        (lambda x: {"kg": x["kg"].float()}, "`kg` must be bfloat16"),
+        (lambda x: {"query_start": x["query_start"].long()}, "`query_start` must be int32"),
+        (lambda x: {"a_log": x["a_log"][:1]}, "`a_log` must have shape [2]"),
+        (lambda x: {"lower_bound": 5.0}, "`lower_bound` must be negative"),
+        (
+            lambda x: {"v": x["qkv"][:, :256].clone()[:, :256:1].t().contiguous().t()},
+            "`v` must have contiguous rows and the row stride of `q`",
+        ),
+        (lambda x: {"state": x["state"].transpose(2, 3)}, "`state` must have strides"),
+    ],
+)
+def test_bad_inputs_name_the_tensor(change, message: str) -> None:
+    inputs = _inputs()
+    with pytest.raises(KdaInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _validate(inputs, **change(inputs))
+
+
+def test_conv_tensors_come_all_or_none() -> None:
+    inputs = _inputs(conv=True)
+    with pytest.raises(KdaInputError, match=r"missing \['accepted'\]"):
+        _validate(inputs, accepted=None)
+
+
+def test_conv_state_layout_must_match_conv_dim_first() -> None:
+    inputs = _inputs(conv=True)
+    with pytest.raises(KdaInputError, match="`conv_state` must have shape"):
+        _validate(inputs, VARIANT.replace(conv=True), conv_dim_first=True)
+
+
+def test_an_explicit_variant_must_fit_the_inputs() -> None:
+    with pytest.raises(KdaInputError, match="window: variant has 8, tensors need 4"):
+        _validate(_inputs(), VARIANT.replace(window=8))
+    with pytest.raises(KdaInputError, match="conv: variant has True, tensors need False"):
+        _validate(_inputs(), VARIANT.replace(conv=True))
+
+
+def test_vllm_entry_rejects_the_unbounded_gate_and_bad_layouts() -> None:
+    x = _inputs()
+    t = x["qkv"].shape[0]
+    q = torch.zeros(1, t, H, 128, dtype=torch.bfloat16)
+    args = (q, q, q, q, q[..., 0], x["a_log"], x["dt_bias"])
+    tail = (x["state"], x["corr"], x["kg"], x["query_start"], x["slots"], Q)
+    with pytest.raises(KdaInputError, match="`lower_bound` must be a negative float"):
+        kda_recoverssm_verify(*args, None, *tail)
+    with pytest.raises(KdaInputError, match=r"`q` must have shape \[1, T, H, 128\]"):
+        kda_recoverssm_verify(q[0], *args[1:], -5.0, *tail)
+    strided = torch.zeros(1, t, 128, H, dtype=torch.bfloat16).transpose(2, 3)
+    with pytest.raises(KdaInputError, match="`k` heads must be contiguous"):
+        kda_recoverssm_verify(q, strided, *args[2:], -5.0, *tail)

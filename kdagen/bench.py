@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kdagen.cases import POOL_PAD, CommitCase, make_commit_inputs
+from kdagen.emulate import relative_errors
 from kdagen.variant import Variant
 
 K = 128
@@ -261,15 +262,10 @@ def verify_inputs(
 ) -> dict[str, Any]:
     """One benchmark input set for a verify variant's contract: full windows, no padding
     requests, slots a permutation of 1..B, the anchors' 512-element slot padding."""
-    from kdagen.testing import make_verify_inputs
+    from kdagen.testing import verify_inputs_for
 
-    return make_verify_inputs(
-        batch, variant.heads, variant.window, conv=variant.conv,
-        conv_dim_first=variant.conv_layout == "dim_first",
-        conv_w_dtype=torch.float32 if variant.conv_weight_dtype == "fp32" else torch.bfloat16,
-        slot_dtype=_slot_dtype(variant), pad=POOL_PAD, seed=seed, device=device,
-        ragged=False, nulls=False, extra_slots=0, extra_rows=0,
-    )  # fmt: skip
+    return verify_inputs_for(variant, batch, pad=POOL_PAD, seed=seed, device=device,
+                             ragged=False, nulls=False, extra_slots=0, extra_rows=0)  # fmt: skip
 
 
 def verify_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -319,12 +315,7 @@ def peer_distance(inputs: dict[str, Any], peer: tuple[Any, ...]) -> dict[str, fl
     batch = slots.shape[0]
     theirs = {"out": peer[14].view_as(inputs["out"]), "corr": peer[9][slots], "kg": peer[10][slots]}
     ours = {"out": inputs["out"], "corr": inputs["corr"][:batch], "kg": inputs["kg"][:batch]}
-    return {name: _rel_l2(theirs[name], ours[name]) for name in ours}
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return {name: relative_errors(theirs[name], ours[name])["rel_l2"] for name in ours}
 
 
 @dataclass

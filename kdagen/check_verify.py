@@ -20,8 +20,8 @@ from kdagen.emulate import relative_errors
 from kdagen.testing import (
     bits,
     clone_inputs,
-    make_verify_inputs,
     verify_args,
+    verify_inputs_for,
     verify_write_masks,
 )
 from kdagen.variant import Variant
@@ -98,14 +98,8 @@ class VerifyCaseResult:
 def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]:
     """Fresh random inputs on the GPU for ``variant``'s contract, outputs poisoned."""
     batch = case.batch or max(1, MANY_UNITS // variant.heads)
-    return make_verify_inputs(
-        batch, variant.heads, variant.window, conv=variant.conv,
-        conv_dim_first=variant.conv_layout == "dim_first",
-        conv_w_dtype=torch.float32 if variant.conv_weight_dtype == "fp32" else torch.bfloat16,
-        null_slot=case.null_slot,
-        slot_dtype=torch.int32 if variant.slot_dtype == "int32" else torch.int64,
-        seed=seed, device="cuda", ragged=case.ragged, nulls=case.nulls,
-    )  # fmt: skip
+    return verify_inputs_for(variant, batch, null_slot=case.null_slot, seed=seed, device="cuda",
+                             ragged=case.ragged, nulls=case.nulls)  # fmt: skip
 
 
 def run_kernel(inputs: dict[str, Any], variant: Variant, counter: torch.Tensor) -> None:

@@ -193,12 +193,13 @@ def _short_error(err: BaseException) -> str:
 # ---- many variants in worker processes ----
 
 
-def _worker_init(arch: str) -> None:
+def init_worker(arch: str) -> None:
     # Arch-checked ops (wgmma, tcgen05) read the target at import time on a GPU-less host.
     os.environ["CUTE_DSL_ARCH"] = arch
 
 
-def _worker_compile(name: str, arch: str, root: str | None, force: bool) -> CompileRecord:
+def compile_named(name: str, arch: str, root: str | None, force: bool = False) -> CompileRecord:
+    """``compile_variant`` by variant name (what a spawned worker process is sent)."""
     return compile_variant(Variant.parse(name), arch, Path(root) if root else None, force)
 
 
@@ -257,11 +258,11 @@ def _compile_in_pool(
     with futures.ProcessPoolExecutor(
         max_workers=min(jobs, len(variants)),
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=_worker_init,
+        initializer=init_worker,
         initargs=(arch,),
     ) as pool:
         pending = {
-            pool.submit(_worker_compile, v.name, arch, str(root) if root else None, force): v
+            pool.submit(compile_named, v.name, arch, str(root) if root else None, force): v
             for v in variants
         }
         for done in futures.as_completed(pending):

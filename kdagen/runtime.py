@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,11 +128,7 @@ def validate_commit(
     check_scalar(op, "lower_bound", lower_bound, float, negative=True)
     check_scalar(op, "null_slot", null_slot, int)
     slot_dtype = _dtype_name(slots.dtype)
-    chosen = (
-        _resolve_variant(variant, "commit", heads, window, slot_dtype, batch)
-        if variant is not None
-        else _dispatched("commit", heads, window, slot_dtype, batch, device, None)
-    )
+    chosen = _resolve_variant(variant, "commit", heads, window, slot_dtype, batch, device)
     return CommitLaunch(chosen, batch, state.shape[0], state.stride(0))
 
 
@@ -188,13 +185,24 @@ def _dispatched(
     """The GPU's dispatch table choice (generated/<gpu>/), else the built-in heuristic."""
     from kdagen import dispatch
 
-    def heuristic() -> Variant:
-        if kernel == "commit":
-            return default_commit_variant(heads, window, slot_dtype, batch)
-        return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, **conv)
-
     contract = {"heads": heads, "window": window, "slot_dtype": slot_dtype, **conv}
-    return dispatch.choose(kernel, contract, batch, heuristic, device=device)
+    return dispatch.choose(
+        kernel, contract, batch, lambda: heuristic_variant(kernel, contract, batch, arch),
+        device=device,
+    )  # fmt: skip
+
+
+def heuristic_variant(
+    kernel: str, contract: Mapping[str, Any], batch: int, arch: str | None = None
+) -> Variant:
+    """The built-in choice for ``kernel`` with ``contract`` (a Variant's contract fields; the
+    conv ones only matter for verify) at ``batch``: what runs without a dispatch table, and
+    the untuned default a tuned winner is measured against."""
+    heads, window, slot_dtype = contract["heads"], contract["window"], contract["slot_dtype"]
+    if kernel == "commit":
+        return default_commit_variant(heads, window, slot_dtype, batch)
+    conv = {k: contract[k] for k in ("conv", "conv_layout", "conv_weight_dtype") if k in contract}
+    return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, **conv)
 
 
 def _resolve_variant(
@@ -204,11 +212,13 @@ def _resolve_variant(
     window: int,
     slot_dtype: str,
     batch: int,
+    device: torch.device,
+    arch: str | None = None,
     **conv: Any,
 ) -> Variant:
-    """An explicit variant, checked against the inputs; else the default for them."""
+    """An explicit variant, checked against the inputs; else the dispatch table's choice."""
     if variant is None:
-        return _dispatched(kernel, heads, window, slot_dtype, batch, None, None, **conv)
+        return _dispatched(kernel, heads, window, slot_dtype, batch, device, arch, **conv)
     chosen = Variant.parse(variant) if isinstance(variant, str) else variant
     expected = {"kernel": kernel, "heads": heads, "window": window, "slot_dtype": slot_dtype}
     expected |= conv
@@ -398,11 +408,8 @@ def validate_verify(
     slot_dtype = _dtype_name(slots.dtype)
     if variant is None and arch is None:
         arch = device_arch(device)
-    chosen = (
-        _resolve_variant(variant, "verify", heads, window, slot_dtype, batch, **conv)
-        if variant is not None
-        else _dispatched("verify", heads, window, slot_dtype, batch, device, arch, **conv)
-    )
+    chosen = _resolve_variant(variant, "verify", heads, window, slot_dtype, batch, device, arch,
+                              **conv)  # fmt: skip
     return VerifyLaunch(chosen, (q, k, v), act_stride, records_by_slot, batch, corr.shape[0],
                         state.shape[0], state.stride(0))  # fmt: skip
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kdagen.reference import CONV_WIDTH, K, V
+from kdagen.variant import Variant
 
 __all__ = [
     "POISON_BITS",
@@ -179,13 +180,12 @@ def make_verify_inputs(
 
     # Bulk data are drawn where they will live: on a GPU that is ~100x faster than fp64 on
     # the host (a H = 96 pool is ~10^8 values), and seeded, so a case still reproduces.
-    data_gen = torch.Generator(device=device).manual_seed(seed)
     on_host = torch.device(device).type == "cpu"
+    data_gen = gen if on_host else torch.Generator(device=device).manual_seed(seed)
+    wide = torch.float64 if on_host else torch.float32
 
     def randn(*shape: int, std: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-        wide = torch.float64 if on_host else torch.float32
-        drawn = torch.randn(*shape, generator=data_gen if not on_host else gen, dtype=wide,
-                            device=device)  # fmt: skip
+        drawn = torch.randn(*shape, generator=data_gen, dtype=wide, device=device)
         return (drawn * std).to(dtype)
 
     per_slot = H * V * K
@@ -222,6 +222,17 @@ def make_verify_inputs(
     inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
     inputs["state"] = _state_view(inputs["state_pool"], H)
     return inputs
+
+
+def verify_inputs_for(variant: Variant, batch: int, **options: Any) -> dict[str, Any]:
+    """``make_verify_inputs`` for a verify variant's contract (H, Q, conv layout and tap
+    dtype, slot dtype); ``options`` go through (seed, device, ragged, nulls, ...)."""
+    return make_verify_inputs(
+        batch, variant.heads, variant.window, conv=variant.conv,
+        conv_dim_first=variant.conv_layout == "dim_first",
+        conv_w_dtype=torch.float32 if variant.conv_weight_dtype == "fp32" else torch.bfloat16,
+        slot_dtype=torch.int32 if variant.slot_dtype == "int32" else torch.int64, **options,
+    )  # fmt: skip
 
 
 def _state_view(pool: Tensor, heads: int) -> Tensor:

@@ -67,16 +67,16 @@ def kda_recoverssm_verify(
     flat_out = _tokens_view("out", out)
     if flat_out.stride(0) != flat_out.shape[1]:
         raise KdaInputError(f"{OP}: `out` must be contiguous, got strides {list(out.stride())}")
+    flat_g, flat_beta = _tokens_view("raw_g", raw_g), _tokens_view("raw_beta", raw_beta)
     launch = validate_verify(
-        _tokens_view("q", q), _tokens_view("k", k), _tokens_view("v", v),
-        _tokens_view("raw_g", raw_g), _tokens_view("raw_beta", raw_beta), A_log, dt_bias,
-        checkpoint_state, query_start_loc, state_indices, flat_out, correction_cache,
-        kg_cache, lower_bound=float(lower_bound), null_slot=NULL_BLOCK_ID,
+        _tokens_view("q", q), _tokens_view("k", k), _tokens_view("v", v), flat_g, flat_beta,
+        A_log, dt_bias, checkpoint_state, query_start_loc, state_indices, flat_out,
+        correction_cache, kg_cache, lower_bound=float(lower_bound), null_slot=NULL_BLOCK_ID,
         records_by_slot=True, op=OP,
     )  # fmt: skip
     launch_verify(
-        launch, _tokens_view("raw_g", raw_g), _tokens_view("raw_beta", raw_beta), A_log,
-        dt_bias, checkpoint_state, query_start_loc, state_indices, flat_out, correction_cache,
-        kg_cache, None, None, None, None, float(lower_bound), NULL_BLOCK_ID,
+        launch, flat_g, flat_beta, A_log, dt_bias, checkpoint_state, query_start_loc,
+        state_indices, flat_out, correction_cache, kg_cache, None, None, None, None,
+        float(lower_bound), NULL_BLOCK_ID,
     )  # fmt: skip
     return out

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kdagen.compile import CompileRecord
+from kdagen.compile import CompileRecord, compile_named, init_worker
 from kdagen.variant import Variant
 
 START_TIMEOUT_S = 600.0  # importing torch and the DSL, CUDA init, first bandwidth probe
@@ -184,8 +184,8 @@ class GpuEvaluator:
 
     Reads ``kdagen.check.check_variant``, ``kdagen.check.gpu_refusal``,
     ``kdagen.bench.time_variant``, ``kdagen.bench.copy_bandwidth``, ``kdagen.bench.floor_us``,
-    the run-time heuristics (``kdagen.runtime.default_commit_variant`` /
-    ``default_verify_variant``) and, when present, ``kdagen.bench.peer_times``.
+    the run-time heuristic (``kdagen.runtime.heuristic_variant``) and, when present,
+    ``kdagen.bench.peer_times``.
     """
 
     def __init__(self) -> None:
@@ -224,15 +224,7 @@ class GpuEvaluator:
         from kdagen import runtime
 
         v = Variant.parse(name)
-        heuristic = getattr(runtime, "heuristic_variant", None)
-        if heuristic is not None:
-            return heuristic(v.kernel, v.contract, batch).name
-        if v.kernel == "commit":
-            return runtime.default_commit_variant(v.heads, v.window, v.slot_dtype, batch).name
-        return runtime.default_verify_variant(
-            v.heads, v.window, v.slot_dtype, batch, conv=v.conv, conv_layout=v.conv_layout,
-            conv_weight_dtype=v.conv_weight_dtype, arch=self.info["arch"],
-        ).name  # fmt: skip
+        return runtime.heuristic_variant(v.kernel, v.contract, batch, self.info["arch"]).name
 
     def floor(self, name: str, batch: int) -> float | None:
         from kdagen import bench
@@ -268,16 +260,6 @@ def describe_check(cases: list[Any]) -> str | None:
 # ---- compilation, ahead of the GPU ----
 
 
-def _compile_init(arch: str) -> None:
-    os.environ["CUTE_DSL_ARCH"] = arch  # arch-checked ops read it at import on a GPU-less host
-
-
-def _compile(variant: Variant, arch: str, root: str | None) -> CompileRecord:
-    from kdagen.compile import compile_variant
-
-    return compile_variant(variant, arch, Path(root) if root else None)
-
-
 class PoolCompiler:
     """Compiles candidates for one arch in spawned processes as soon as they are asked for.
 
@@ -297,7 +279,7 @@ class PoolCompiler:
     def _executor(self, jobs: int) -> futures.ProcessPoolExecutor:
         return futures.ProcessPoolExecutor(
             max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_compile_init, initargs=(self.arch,),
+            initializer=init_worker, initargs=(self.arch,),
         )  # fmt: skip
 
     def submit(self, variant: Variant) -> None:
@@ -311,7 +293,9 @@ class PoolCompiler:
             return
         if self._pool is None:
             self._pool = self._executor(self.jobs)
-        self._pending[variant.name] = self._pool.submit(_compile, variant, self.arch, self.root)
+        self._pending[variant.name] = self._pool.submit(
+            compile_named, variant.name, self.arch, self.root
+        )
 
     def result(self, variant: Variant) -> CompileRecord:
         self.submit(variant)
@@ -328,7 +312,7 @@ class PoolCompiler:
                     error=f"the compiler process died: {err}",
                 )  # fmt: skip
             with self._executor(1) as alone:  # its own process: a crash now names it
-                future = alone.submit(_compile, variant, self.arch, self.root)
+                future = alone.submit(compile_named, variant.name, self.arch, self.root)
                 self._pending[variant.name] = future
                 try:
                     return future.result()

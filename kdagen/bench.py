@@ -410,14 +410,48 @@ def floor_us(variant: Variant, batch: int, bandwidth: float) -> float:
     return moved_bytes(variant, batch) / bandwidth * 1e6
 
 
+_SETS: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+
+
+def study_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The input sets of ``variant``'s contract at ``batch``, kept for the next call with the
+    same contract, batch and seed: a tuner times every candidate of a study (and the peer) on
+    one set of inputs instead of rebuilding up to 64 sets per candidate. One entry is kept."""
+    key = (variant.kernel, variant.contract_key, batch, seed)
+    if key not in _SETS:
+        _SETS.clear()
+        torch.cuda.empty_cache()
+        build = commit_sets if variant.kernel == "commit" else verify_sets
+        _SETS[key] = build(variant, batch, seed)
+    return _SETS[key]
+
+
 def time_variant(variant: Variant, batch: int, seed: int = 0) -> Timing:
-    """Cold-L2 graph timing of one variant at one batch size on fresh benchmark inputs."""
+    """Cold-L2 graph timing of one variant at one batch size (the study's input sets)."""
+    sets = study_sets(variant, batch, seed)
     if variant.kernel == "commit":
         from kdagen.runtime import commit
 
-        commit_inputs = commit_sets(variant, batch, seed)
-        return time_graph([lambda s=s: commit(**s, variant=variant) for s in commit_inputs])  # type: ignore[misc]
-    return time_graph([verify_launch(s, variant) for s in verify_sets(variant, batch, seed)])
+        return time_graph([lambda s=s: commit(**s, variant=variant) for s in sets])  # type: ignore[misc]
+    return time_graph([verify_launch(s, variant) for s in sets])
+
+
+def peer_times(variant: Variant, batch: int, seed: int = 0) -> dict[str, float]:
+    """Peers' median microseconds on the study's input sets, by legend label: FlashInfer's
+    verify when it loads and runs here (conv off: it does not fuse the conv); the plain torch
+    commit for commit."""
+    sets = study_sets(variant, batch, seed)
+    if variant.kernel == "commit":
+        return {"plain torch": time_graph([partial(torch_commit, s) for s in sets]).median_us}
+    from kdagen.peers import flashinfer_verify
+
+    peer = flashinfer_verify().fn
+    if peer is None or variant.conv:
+        return {}
+    args = [flashinfer_args(s) for s in sets]
+    if _peer_failure(peer, args[0]):
+        return {}
+    return {"flashinfer": time_graph([partial(peer, *a) for a in args]).median_us}
 
 
 # ---- results ----

@@ -5,6 +5,8 @@
 # STEPS (default "compile check pytest bench"): any of compile, check, check_commit, pytest,
 # bench, bench_commit, tune (the shipped workloads, into OUTDIR/gen: copy the GPU's folder to
 # generated/ to ship it). Every step logs to OUTDIR; a short summary is printed last.
+# Env: CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it), BENCHES (subset of
+# "h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv"), TUNE_ARGS (extra kdagen tune options).
 set -u
 out="${1:-${OUT:-/tmp/kdagen-out}}"
 steps="${2:-compile check pytest bench}"
@@ -16,10 +18,10 @@ kdagen() { python3 -m kdagen.cli "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$out/$name.log" 2>&1; local rc=$?
   echo "$name: rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"; tail -n "${TAIL:-3}" "$out/$name.log"; }
-# Four check processes: each spends most of its time building inputs and the fp64 reference
+# CHECK_SHARDS (4) check processes: each spends most of its time building inputs and the fp64 reference
 # on the host, so they overlap on the one GPU.
-sharded_check() { local space=$1 tag=$2 pids=() i; for i in 0 1 2 3; do
-    kdagen check --space "$space" --shard "$i/4" --json "$out/check_${tag}_$i.json" \
+sharded_check() { local space=$1 tag=$2 n=${CHECK_SHARDS:-4} pids=() i; for ((i = 0; i < n; i++)); do
+    kdagen check --space "$space" ${CHECK_MATCH:+--match "$CHECK_MATCH"} --shard "$i/$n" --json "$out/check_${tag}_$i.json" \
       >"$out/check_${tag}_$i.log" 2>&1 & pids+=($!); done
   local rc=0; for i in "${pids[@]}"; do wait "$i" || rc=1; done
   grep -h "^FAIL\|passed, " "$out"/check_"${tag}"_*.log; return $rc; }
@@ -28,17 +30,20 @@ has compile && step compile kdagen compile --arch sm_90a --jobs 16
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
 has pytest && TAIL=8 step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider tests
+benches="${BENCHES:-h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv}"
+bench_verify() { local name=$1 tail=$2; shift 2; [[ " $benches " == *" $name "* ]] || return 0
+  TAIL=$tail step "bench_$name" kdagen bench --space verify_sm90.yaml "$@" --out "$out/bench_verify_$name.json"; }
 if has bench; then
-  TAIL=12 step bench_h12_q8 kdagen bench --space verify_sm90.yaml --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_verify_h12_q8.json"
-  TAIL=10 step bench_h32_q4 kdagen bench --space verify_sm90.yaml --heads 32 --window 4 --batches 1,4,16,64,256,512 --out "$out/bench_verify_h32_q4.json"
-  TAIL=8 step bench_h96_q8 kdagen bench --space verify_sm90.yaml --heads 96 --window 8 --batches 1,8,64,256 --out "$out/bench_verify_h96_q8.json"
-  TAIL=7 step bench_h12_q2 kdagen bench --space verify_sm90.yaml --heads 12 --window 2 --batches 1,16,256 --out "$out/bench_verify_h12_q2.json"
-  TAIL=9 step bench_h12_q8_conv kdagen bench --space verify_sm90.yaml --heads 12 --window 8 --conv --batches 1,16,64,256,512 --out "$out/bench_verify_h12_q8_conv.json"
+  bench_verify h12_q8 12 --heads 12 --window 8 --batches 1,4,16,64,256,512
+  bench_verify h32_q4 10 --heads 32 --window 4 --batches 1,4,16,64,256,512
+  bench_verify h96_q8 8 --heads 96 --window 8 --batches 1,8,64,256
+  bench_verify h12_q2 7 --heads 12 --window 2 --batches 1,16,256
+  bench_verify h12_q8_conv 9 --heads 12 --window 8 --conv --batches 1,16,64,256,512
 fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"
 fi
 if has tune; then
-  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space commit.yaml --match i32 --trials 12 --jobs 16 --out "$out/gen"
+  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" ${TUNE_ARGS:-}
 fi
 echo "== summary"; cat "$out/summary.txt"

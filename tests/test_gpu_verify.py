@@ -78,6 +78,36 @@ def test_default_dispatch_passes_the_check(conv: bool) -> None:
     assert result.passed, f"seed {SEED}: {result.error or result.summary()}"
 
 
+@pytest.mark.parametrize(
+    ("kernel", "contract", "batch"),
+    [
+        ("verify", {"conv": False}, 64),
+        ("verify", {"conv": True, "conv_layout": "token_major", "conv_weight_dtype": "bf16"}, 8),
+        ("commit", {}, 512),
+    ],
+)
+def test_run_time_uses_the_committed_table(kernel: str, contract: dict, batch: int) -> None:
+    """With no variant given, verify and commit launch this GPU's tuned winner (exact key
+    and bucket of generated/<gpu>/dispatch.json), with no fallback warning."""
+    import warnings
+
+    from kdagen import dispatch
+    from kdagen.fingerprint import gpu_fingerprint
+    from kdagen.runtime import _dispatched, device_arch
+
+    folder = dispatch.generated_root() / gpu_fingerprint(torch.device("cuda"))
+    table = dispatch.load_table(folder)
+    if table is None:
+        pytest.skip(f"no committed table for {folder.name}")
+    dispatch.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.DispatchFallbackWarning)
+        chosen = _dispatched(kernel, 12, 8, "int32", batch, torch.device("cuda"),
+                             device_arch(), **contract)  # fmt: skip
+    entry, how = table.lookup(kernel, chosen.contract_key, batch)
+    assert how == "exact" and entry is not None and chosen.name == entry.variant
+
+
 def test_spec_decode_loop_verify_accept_commit() -> None:
     """Kernels verify -> accept -> commit -> verify ... back to back on one stream (PDL on)
     track the fp64 reference of the same loop: outputs every step, the state at the end."""

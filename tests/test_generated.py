@@ -1,0 +1,49 @@
+"""The committed dispatch tables in generated/: fresh against the templates and DSL of this
+checkout (a stale table is refused at run time, so a template change must come with a
+re-tune), and covering every shipped workload's contract keys at every batch bucket, with
+winners that are variants of the shipped spaces. CPU only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kdagen.dispatch import load_table
+from kdagen.render import dsl_version, template_digest
+from kdagen.space import Space
+from kdagen.tune import plan_studies
+
+GENERATED = Path(__file__).resolve().parents[1] / "generated"
+TABLES = sorted(p.parent for p in GENERATED.glob("*/dispatch.json"))
+SPACES = {"commit": "commit.yaml", "verify": "verify_sm90.yaml"}
+
+
+def test_the_h200_table_is_committed() -> None:
+    assert GENERATED / "nvidia-h200-sm90-132sm" in TABLES
+
+
+@pytest.mark.parametrize("folder", TABLES, ids=[p.name for p in TABLES])
+def test_table_is_fresh_for_this_checkout(folder: Path) -> None:
+    table = load_table(folder)
+    assert table is not None
+    for kernel in sorted(table.kernels()):
+        assert table.staleness(kernel, dsl_version(), template_digest(kernel)) is None, (
+            f"{folder.name}: re-run `kdagen tune` on that GPU"
+        )
+
+
+@pytest.mark.parametrize("folder", TABLES, ids=[p.name for p in TABLES])
+def test_table_covers_the_shipped_workloads_with_shipped_variants(folder: Path) -> None:
+    table = load_table(folder)
+    assert table is not None
+    shipped = {v.name for s in SPACES.values() for v in Space.load(s).expand().variants}
+    plans, _ = plan_studies(list(SPACES.values()), "workloads.yaml", "sm_90a", "i32")
+    assert plans
+    for plan in plans:
+        rows = {e.batch: e for e in table.entries.get(plan.key, [])}
+        assert set(plan.batches) <= set(rows), (plan.key, sorted(rows))
+        for entry in rows.values():
+            chosen = plan.candidates[0].replace(**entry.tuning)
+            assert chosen.name in shipped, (plan.key, entry.batch, chosen.name)
+            assert chosen.name == entry.variant

@@ -356,11 +356,10 @@ def bench_verify(
     for batch in batches:
         sets = verify_sets(first, batch, seed)
         floor = floor_us(first, batch, bandwidth)
-        peer_args = [flashinfer_args(s) for s in sets] if peer is not None else []
-        failure = _peer_failure(peer, peer_args[0]) if peer is not None else None
+        peer_args, failure = flashinfer_on(peer, sets) if peer is not None else ([], None)
         if failure:
             warnings.warn(f"flashinfer left out from B={batch} on: {failure}", stacklevel=2)
-            peer, peer_args = None, []
+            peer = None
         peer_t = time_graph([partial(peer, *a) for a in peer_args]) if peer else None
         for v in variants:
             t = time_graph([verify_launch(s, v) for s in sets])
@@ -380,6 +379,16 @@ def bench_verify(
         del sets, peer_args
         torch.cuda.empty_cache()
     return rows
+
+
+def flashinfer_on(
+    peer: Callable[..., object], sets: Sequence[dict[str, Any]]
+) -> tuple[list[tuple[Any, ...]], str | None]:
+    """FlashInfer's arguments on every input set, after one eager run on the first (its
+    compile); ``([], why)`` when it cannot run on them."""
+    args = [flashinfer_args(s) for s in sets]
+    failure = _peer_failure(peer, args[0])
+    return ([], failure) if failure else (args, None)
 
 
 def _peer_failure(peer: Callable[..., object], args: tuple[Any, ...]) -> str | None:
@@ -448,8 +457,8 @@ def peer_times(variant: Variant, batch: int, seed: int = 0) -> dict[str, float]:
     peer = flashinfer_verify().fn
     if peer is None or variant.conv:
         return {}
-    args = [flashinfer_args(s) for s in sets]
-    if _peer_failure(peer, args[0]):
+    args, failure = flashinfer_on(peer, sets)
+    if failure:
         return {}
     return {"flashinfer": time_graph([partial(peer, *a) for a in args]).median_us}
 

@@ -70,8 +70,21 @@ def bf16_split(value: Float32) -> tuple:
 
 
 @cute.jit
-def sigmoid(x: Float32, fast: cutlass.Constexpr[bool] = True) -> Float32:
-    return Float32(1) / (Float32(1) + cute.math.exp(-x, fastmath=fast))
+def store_bf16_split(value: Float32, hi_address: Int32, lo_address: Int32):
+    """``value = hi + lo`` (as ``bf16_split``) with hi and lo stored to shared memory."""
+    hi = value.to(BFloat16).to(Float32)
+    store_shared_bf16(hi_address, value)  # rounds to hi
+    store_shared_bf16(lo_address, value - hi)  # rounds to lo
+
+
+@cute.jit
+def sigmoid(x: Float32, approx_rcp: cutlass.Constexpr[bool] = True) -> Float32:
+    """``1 / (1 + exp(-x))`` with the approximate exp unit; ``approx_rcp``: the approximate
+    reciprocal too (a few instructions instead of an IEEE division with its slow-path
+    branch, but ptxas then overlaps more gates and holds more registers)."""
+    if cutlass.const_expr(approx_rcp):
+        return cute.arch.rcp_approx(Float32(1) + cute.math.exp(-x, fastmath=True))
+    return Float32(1) / (Float32(1) + cute.math.exp(-x, fastmath=True))
 
 
 @cute.jit
@@ -80,6 +93,84 @@ def warp_sum(value: Float32) -> Float32:
     for shift in (16, 8, 4, 2, 1):
         value = value + cute.arch.shuffle_sync_bfly(value, offset=shift)
     return value
+
+
+@cute.jit
+def warp_reduce_scatter(values: list, lane: Int32) -> Float32:
+    """Sums ``values`` (a power-of-two count n <= 32, the same list on every lane) over the
+    warp's lanes; lane l gets the total of ``values[l // (32 // n)]``. Halving rounds
+    (shift 16, 8, ...) exchange only the half a lane gives away: n - 1 shuffles instead of
+    5 n for n separate warp sums; lanes pair up as in ``warp_sum``, so each total is
+    bit-identical to it."""
+    halvings = len(values).bit_length() - 1  # log2(n)
+    for step in cutlass.range_constexpr(halvings):
+        shift = 16 >> step
+        half = len(values) // 2
+        upper = (lane & shift) != 0
+        kept = []
+        for j in cutlass.range_constexpr(half):
+            send, keep = values[j + half], values[j]
+            if upper:
+                send, keep = values[j], values[j + half]
+            kept.append(keep + cute.arch.shuffle_sync_bfly(send, shift))
+        values = kept
+    total = values[0]
+    for step in cutlass.range_constexpr(halvings, 5):
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> step)
+    return total
+
+
+def coupling_pairs(window: int) -> list[tuple[int, int, int]]:
+    """The verify window's coupling scalars in storage order: (0, t, i) = c_ti for i < t,
+    then (1, t, i) = d_ti for i <= t."""
+    pairs = [(0, t, i) for t in range(window) for i in range(t)]
+    return pairs + [(1, t, i) for t in range(window) for i in range(t + 1)]
+
+
+def coupling_index(kind: int, t: int, i: int, window: int) -> int:
+    """Where ``coupling_pairs(window)`` stores scalar (kind, t, i): a trace-time constant, so
+    the solve reads the coefficients at fixed offsets and the writers need no lookup."""
+    if kind == 0:
+        return t * (t - 1) // 2 + i
+    return window * (window - 1) // 2 + t * (t + 1) // 2 + i
+
+
+@cute.jit
+def store_shared_bf16(address: Int32, value: Float32):
+    """``value`` rounded to bf16 (round to nearest even, as ``.to(BFloat16)``) at a
+    shared-memory address. For swizzled tiles written a row at a time: the caller XORs a
+    per-row constant into a per-thread base and adds the row offset, which ptxas folds into
+    the store's immediate (one LOP3 per swizzle phase, not the index arithmetic per store)."""
+    cute.arch.inline_ptx(
+        "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r1}; st.shared.b16 [{$r0}], h; }",
+        read_only_args=[address, value],
+    )
+
+
+@cute.jit
+def ldmatrix_x4(address: Int32) -> tuple:
+    """Four 8 x 8 bf16 matrices from shared memory into a warp's registers (``ldmatrix``):
+    lanes 8j..8j+7 give the row addresses of matrix j; lane l gets word l % 4 of row l // 4
+    of every matrix, i.e. one mma.sync A fragment or two B fragments."""
+    return cute.arch.inline_ptx(
+        f"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{ptx_outputs(4)}}}, [{{$r0}}];",
+        write_only_types=[Uint32] * 4,
+        read_only_args=[address],
+    )
+
+
+@cute.jit
+def mma_bf16_16816(a: tuple, b: tuple, c: tuple) -> tuple:
+    """One warp-level ``mma.sync`` m16n8k16, bf16 inputs, fp32 accumulators: d = a b + c
+    (a: 4 words of the 16 x 16 row-major A fragment, b: 2 of the 16 x 8 column-major B,
+    c and d: rows g and g + 8, columns 2t and 2t + 1 of lane 4g + t)."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+        "{{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4,
+        read_only_args=[*a, *b, *c],
+    )
 
 
 @cute.jit

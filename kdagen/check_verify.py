@@ -1,8 +1,9 @@
 """Verify on the GPU against the fp64 reference: every case, every output, every rule.
 
 A case passes when (issue 3's bar) out is within 3e-3 and corr within 1e-4 relative L2 of the
-unrounded fp64 reference (and within the element-wise bounds of ``MAX_REL``), kg is
-bit-exact, every element the contract does not let verify write keeps its poison (the state
+unrounded fp64 reference, and element-wise every out element within ``MAX_REL`` of its own
+value (1 % of the rms as a floor) and every corr element within ``MAX_RMS`` of the tensor's
+rms (a wrong row or token is an O(1) error under either), kg is bit-exact, every element the contract does not let verify write keeps its poison (the state
 pool, its padding and the unwritten rows of out/corr/kg included), the rolled conv state is
 bit-exact, the work counter is zero after the launch, and a second launch as well as a
 CUDA-graph replay give identical bits.
@@ -27,7 +28,12 @@ from kdagen.testing import (
 from kdagen.variant import Variant
 
 REL_L2 = {"out": 3e-3, "corr": 1e-4}
-MAX_REL = {"out": 8e-3, "corr": 4e-4}  # bf16 rounding alone reaches 2^-8 on out
+MAX_REL = {"out": 8e-3}  # bf16 rounding alone reaches 2^-8 on out
+# corr is fp32: the issue's 1e-4, per element, against the tensor's scale. Not relative to the
+# element itself: corr elements near zero come from cancellation (u_t = beta (v_t - S k_t)), and
+# their absolute error, set by the bf16 hi/lo products of the projection and coupling scalars,
+# does not shrink with them (worst seen on the H200: 2.0e-5 rms at an element of 0.009 rms).
+MAX_RMS = {"corr": 1e-4}
 OUTPUTS = ("out", "corr", "kg")
 
 
@@ -59,6 +65,7 @@ class VerifyCaseResult:
     out_max_rel: float = 0.0
     corr_rel_l2: float = 0.0
     corr_max_rel: float = 0.0
+    corr_max_rms: float = 0.0
     kg_exact: bool = True
     conv_exact: bool = True
     untouched_ok: bool = True
@@ -77,7 +84,7 @@ class VerifyCaseResult:
             and self.out_rel_l2 <= REL_L2["out"]
             and self.corr_rel_l2 <= REL_L2["corr"]
             and self.out_max_rel <= MAX_REL["out"]
-            and self.corr_max_rel <= MAX_REL["corr"]
+            and self.corr_max_rms <= MAX_RMS["corr"]
         )
 
     @property
@@ -89,7 +96,7 @@ class VerifyCaseResult:
                                     "deterministic", "graph_ok") if not getattr(self, name)]  # fmt: skip
         return (
             f"out rel_l2 {self.out_rel_l2:.2e} max {self.out_max_rel:.2e}, corr rel_l2 "
-            f"{self.corr_rel_l2:.2e} max {self.corr_max_rel:.2e}"
+            f"{self.corr_rel_l2:.2e} max {self.corr_max_rel:.2e} ({self.corr_max_rms:.1e} rms)"
             + (f", FAILED {failed}" if failed else ", kg/conv exact, untouched, counter 0, "
                "repeat and graph identical")
         )  # fmt: skip
@@ -136,6 +143,8 @@ def _compare(result: VerifyCaseResult, inputs: dict[str, Any], ref: dict[str, An
         errors = relative_errors(inputs[name][masks[name]], ref[name][masks[name]])
         setattr(result, f"{name}_rel_l2", errors["rel_l2"])
         setattr(result, f"{name}_max_rel", errors["max_rel"])
+        if name == "corr":
+            result.corr_max_rms = errors["max_rms"]
     result.kg_exact = bool(torch.equal(bits(inputs["kg"])[masks["kg"]],
                                        bits(ref["kg"])[masks["kg"]]))  # fmt: skip
     untouched = torch.equal(bits(inputs["state_pool"]), start["state_pool"])

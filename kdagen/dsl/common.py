@@ -72,9 +72,19 @@ def bf16_split(value: Float32) -> tuple:
 @cute.jit
 def store_bf16_split(value: Float32, hi_address: Int32, lo_address: Int32):
     """``value = hi + lo`` (as ``bf16_split``) with hi and lo stored to shared memory."""
-    hi = value.to(BFloat16).to(Float32)
-    store_shared_bf16(hi_address, value)  # rounds to hi
-    store_shared_bf16(lo_address, value - hi)  # rounds to lo
+    hi, lo = bf16_split(value)
+    store_shared(hi_address, hi)
+    store_shared(lo_address, lo)
+
+
+@cute.jit
+def store_shared(address: Int32, value: BFloat16):
+    """One bf16 at a shared-memory address. For swizzled tiles written a row at a time: the
+    caller XORs a per-row constant into a per-thread base and adds the row offset, which
+    ptxas folds into the store's immediate (one LOP3 per swizzle phase, not the index
+    arithmetic per store)."""
+    pointer = cute.make_ptr(BFloat16, address, cute.AddressSpace.smem, assumed_align=2)
+    cute.make_tensor(pointer, cute.make_layout(1))[0] = value
 
 
 @cute.jit
@@ -85,6 +95,82 @@ def sigmoid(x: Float32, approx_rcp: cutlass.Constexpr[bool] = True) -> Float32:
     if cutlass.const_expr(approx_rcp):
         return cute.arch.rcp_approx(Float32(1) + cute.math.exp(-x, fastmath=True))
     return Float32(1) / (Float32(1) + cute.math.exp(-x, fastmath=True))
+
+
+# The fast SiLU's rounding test (see ``silu``): its fp32 result is at most 17 ulp from
+# x / (1 + expf(-x)) for -16 <= x and |x| >= 2^-100 (every fp32 x checked on an H200 by
+# tests/test_silu.py); 32 ulp of margin from a bf16 rounding midpoint settles the rounding.
+SILU_MARGIN_ULP = 32
+SILU_FAST = (
+    "{ .reg .f32 t, e, d, r, ax; .reg .b32 b; .reg .pred p;"
+    " mul.f32 t, {$r0}, 0fBFB8AA3B;"  # -x log2(e)
+    " ex2.approx.ftz.f32 e, t;"
+    " add.f32 d, e, 0f3F800000;"
+    " rcp.approx.ftz.f32 r, d;"
+    " mul.f32 {$w0}, {$r0}, r;"
+    " mov.b32 b, {$w0};"
+    f" add.u32 b, b, {(1 << 32) - 0x8000 + SILU_MARGIN_ULP};"
+    " and.b32 b, b, 65535;"
+    f" setp.le.u32 p, b, {2 * SILU_MARGIN_ULP};"  # within the margin of a bf16 midpoint
+    " abs.f32 ax, {$r0};"
+    " setp.lt.or.f32 p, ax, 0f0D800000, p;"  # |x| < 2^-100: flushed subnormals
+    " setp.lt.or.f32 p, {$r0}, 0fC1800000, p;"  # x < -16: the exp argument's error grows
+    " selp.u32 {$w1}, 1, 0, p; }"
+)
+
+
+@cute.jit
+def silu(x: Float32, fast: cutlass.Constexpr[bool] = True) -> Float32:
+    """``x / (1 + exp(-x))`` (accurate exp, IEEE division) as far as its bf16 rounding goes.
+    ``fast``: the approximate exp and reciprocal first (5 instructions), and the exact form
+    only where their result lies within ``SILU_MARGIN_ULP`` of a bf16 rounding midpoint or
+    outside the range where that margin is proven (~0.1 % of values). Rounded to bf16, the
+    result is bit-identical to the exact form's, which ``kg`` records. Without ``fast``, the
+    exact form alone (fewer live registers: ptxas then spills less in uncapped kernels)."""
+    if cutlass.const_expr(not fast):
+        return x / (Float32(1) + cute.math.exp(-x))
+    y, doubt = cute.arch.inline_ptx(
+        SILU_FAST, write_only_types=[Float32, Int32], read_only_args=[x]
+    )
+    if doubt != 0:
+        # Through an opaque move, so the compiler cannot hoist the exact form out of the
+        # branch and compute both for every value.
+        x_doubt = cute.arch.inline_ptx(
+            "mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x]
+        )
+        y = x_doubt / (Float32(1) + cute.math.exp(-x_doubt))
+    return y
+
+
+@cute.jit
+def pack_bf16x2(lo: Float32, hi: Float32) -> Uint32:
+    """Two bf16-valued fp32 numbers as one packed bf16 word (``lo`` in the low half; the
+    conversion is exact for values that came from bf16)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",
+        write_only_types=[Uint32],
+        read_only_args=[lo, hi],
+    )
+
+
+@cute.jit
+def bf16_broadcast(word: Uint32, half: cutlass.Constexpr[int]) -> Uint32:
+    """Half ``half`` (0: low, 1: high) of a packed bf16 pair in both halves."""
+    selector = 0x1010 if half == 0 else 0x3232
+    return cute.arch.inline_ptx(
+        f"prmt.b32 {{$w0}}, {{$r0}}, 0, {selector};",
+        write_only_types=[Uint32],
+        read_only_args=[word],
+    )
+
+
+@cute.jit
+def mul_bf16x2(a: Uint32, b: Uint32) -> Uint32:
+    """Two bf16 products at once, each rounded to bf16 (the exact product of two bf16 values
+    rounded once, as an fp32 multiply then a bf16 conversion)."""
+    return cute.arch.inline_ptx(
+        "mul.rn.bf16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[a, b]
+    )
 
 
 @cute.jit
@@ -118,33 +204,6 @@ def warp_reduce_scatter(values: list, lane: Int32) -> Float32:
     for step in cutlass.range_constexpr(halvings, 5):
         total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> step)
     return total
-
-
-def coupling_pairs(window: int) -> list[tuple[int, int, int]]:
-    """The verify window's coupling scalars in storage order: (0, t, i) = c_ti for i < t,
-    then (1, t, i) = d_ti for i <= t."""
-    pairs = [(0, t, i) for t in range(window) for i in range(t)]
-    return pairs + [(1, t, i) for t in range(window) for i in range(t + 1)]
-
-
-def coupling_index(kind: int, t: int, i: int, window: int) -> int:
-    """Where ``coupling_pairs(window)`` stores scalar (kind, t, i): a trace-time constant, so
-    the solve reads the coefficients at fixed offsets and the writers need no lookup."""
-    if kind == 0:
-        return t * (t - 1) // 2 + i
-    return window * (window - 1) // 2 + t * (t + 1) // 2 + i
-
-
-@cute.jit
-def store_shared_bf16(address: Int32, value: Float32):
-    """``value`` rounded to bf16 (round to nearest even, as ``.to(BFloat16)``) at a
-    shared-memory address. For swizzled tiles written a row at a time: the caller XORs a
-    per-row constant into a per-thread base and adds the row offset, which ptxas folds into
-    the store's immediate (one LOP3 per swizzle phase, not the index arithmetic per store)."""
-    cute.arch.inline_ptx(
-        "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r1}; st.shared.b16 [{$r0}], h; }",
-        read_only_args=[address, value],
-    )
 
 
 @cute.jit

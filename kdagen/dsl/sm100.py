@@ -115,3 +115,18 @@ def tc_fence_before():
 def tc_fence_after():
     """Order tcgen05 operations after the last thread barrier."""
     cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")
+
+
+def coupling_pairs(window: int) -> list[tuple[int, int, int]]:
+    """The verify window's coupling scalars in storage order: (0, t, i) = c_ti for i < t,
+    then (1, t, i) = d_ti for i <= t."""
+    pairs = [(0, t, i) for t in range(window) for i in range(t)]
+    return pairs + [(1, t, i) for t in range(window) for i in range(t + 1)]
+
+
+def coupling_index(kind: int, t: int, i: int, window: int) -> int:
+    """Where ``coupling_pairs(window)`` stores scalar (kind, t, i): a trace-time constant, so
+    the solve reads the coefficients at fixed offsets and the writers need no lookup."""
+    if kind == 0:
+        return t * (t - 1) // 2 + i
+    return window * (window - 1) // 2 + t * (t + 1) // 2 + i

@@ -74,12 +74,13 @@ PATHS: dict[str, dict[str, PathSpec]] = {
             tuning=("ctas",),
         ),
         # Hopper: the seed's design with warpgroup MMAs (wgmma) from shared memory into
-        # registers; a (request, head) may be split over CTAs by state rows.
+        # registers; a (request, head) may be split over CTAs by state rows, or its tokens
+        # over two warpgroups of one CTA (threads = 256).
         "sm90_wgmma": PathSpec(
             template="verify/sm90_wgmma.py.j2",
             class_name="KdaWgmmaVerify",
             archs=("sm_90a",),
-            tuning=("row_split", "ctas", "stages", "pdl"),
+            tuning=("threads", "row_split", "ctas", "stages", "pdl"),
         ),
     },
 }
@@ -277,7 +278,20 @@ def _check_commit_rules(v: Variant) -> None:
 
 def _check_sm90_verify_rules(v: Variant) -> None:
     """A wgmma tile has at least 64 rows; the conv state is rolled in place by the CTA that
-    reads it, so a convolving item cannot be split over CTAs."""
+    reads it, so a convolving item cannot be split over CTAs; two warpgroups (256 threads)
+    split one CTA's tokens and its 128 rows."""
+    if v.threads not in (128, 256):
+        raise VariantError(
+            f"threads={v.threads} is not allowed for path 'sm90_wgmma' (one or two "
+            "warpgroups); allowed values: [128, 256]"
+        )
+    if v.threads == 256 and (v.row_split != 1 or v.conv or v.window < 2):
+        raise VariantError(
+            f"threads=256 needs row_split=1 (each warpgroup multiplies 64 of the 128 rows), "
+            f"conv=False (the two-warpgroup kernel has no conv) and window >= 2 (each "
+            f"warpgroup takes half the tokens); got row_split={v.row_split}, conv={v.conv}, "
+            f"window={v.window}"
+        )
     if v.row_split not in (1, 2):
         raise VariantError(
             f"row_split={v.row_split} is not allowed for path 'sm90_wgmma' (a CTA needs at "

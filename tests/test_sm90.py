@@ -51,18 +51,19 @@ def test_every_sm90_variant_compiles_without_spills(records) -> None:
     assert skipped and all(r.status == "skipped" for r in skipped)
 
 
-def _resident(r: kcompile.CompileRecord) -> int:
-    """CTAs of 128 threads one SM holds by registers and shared memory (+1 KiB reserved)."""
-    return min(REGISTERS // (128 * r.registers), SM_SHARED // (r.smem_bytes + 1024))
+def _resident(r: kcompile.CompileRecord, threads: int) -> int:
+    """CTAs one SM holds by registers and shared memory (+1 KiB reserved)."""
+    return min(REGISTERS // (threads * r.registers), SM_SHARED // (r.smem_bytes + 1024))
 
 
 def test_residency_the_grid_bound_assumes(records) -> None:
     """ctas = resident CTAs x 132 SMs, and the launch's min_blocks_per_mp makes ptxas fit
     them: single-buffered variants hold ctas / 132 CTAs per SM. A second 32 KiB state buffer
-    costs residency (2 per SM at 128 rows): CTAs beyond it start late and take fewer items."""
+    costs residency (2 per SM at 128 rows): CTAs beyond it start late and take fewer items.
+    Two-warpgroup CTAs (256 threads) always hold ctas / 132."""
     for v in SM90:
-        resident = _resident(_record(records, v.name))
-        if v.stages == 1:
+        resident = _resident(_record(records, v.name), v.threads)
+        if v.stages == 1 or v.threads == 256:
             assert resident >= v.ctas // 132, (v.name, resident)
         else:
             assert resident >= (2 if v.row_split == 1 else 3), (v.name, resident)
@@ -71,17 +72,20 @@ def test_residency_the_grid_bound_assumes(records) -> None:
 @pytest.mark.parametrize(
     ("name", "n_cols", "m_tiles"),
     [
-        ("verify-h12-q8-i32-sm90_wgmma-r1-c528-s1-pdl", 32, 2),
-        ("verify-h12-q8-i32-sm90_wgmma-r2-c528-s2-pdl", 32, 1),
-        ("verify-h32-q1-conv-df-fp32-i64-sm90_wgmma-r1-c396-s1-pdl", 8, 2),
-        ("verify-h96-q3-conv-tm-bf16-i32-sm90_wgmma-r1-c396-s1-pdl", 16, 2),
+        ("verify-h12-q8-i32-sm90_wgmma-t128-r1-c528-s1-pdl", 32, 2),
+        ("verify-h12-q8-i32-sm90_wgmma-t128-r2-c528-s2-pdl", 32, 1),
+        ("verify-h32-q1-conv-df-fp32-i64-sm90_wgmma-t128-r1-c396-s1-pdl", 8, 2),
+        ("verify-h96-q3-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl", 16, 2),
+        ("verify-h12-q8-i32-sm90_wgmma-t256-r1-c264-s1-pdl", 32, 1),
+        ("verify-h32-q2-i32-sm90_wgmma-t256-r1-c396-s1-pdl", 8, 1),
     ],
 )
 def test_ptx_has_the_designed_instructions(
     cache: Path, name: str, n_cols: int, m_tiles: int
 ) -> None:
-    """K / 16 wgmma steps per 64-row tile with N = the (hi, lo) probe columns; the state by
-    TMA on an mbarrier; PDL; the work ticket."""
+    """K / 16 wgmma steps per 64-row tile a warpgroup multiplies, with N = the (hi, lo) probe
+    columns; the state by TMA on an mbarrier; PDL; the work ticket; the coupling scalars on
+    mma.sync."""
     ptx = _ptx(name, cache)
     mma = f"wgmma.mma_async.sync.aligned.m64n{n_cols}k16.f32.bf16.bf16"
     assert ptx.count(mma) == 8 * m_tiles
@@ -90,16 +94,23 @@ def test_ptx_has_the_designed_instructions(
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert "atom.global.add.u32" in ptx
     assert ".minnctapersm" in ptx  # the residency the grid bound assumes, asked of ptxas
+    assert "mma.sync.aligned.m16n8k16" in ptx
 
 
 def test_rendered_source_has_only_its_variant() -> None:
-    plain = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-r1-c528-s1-nopdl"))
+    plain = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r1-c528-s1-nopdl"))
     assert "conv_state" not in plain and "SPLIT" not in plain and "use_stage" not in plain
     assert "griddepcontrol" not in plain and "use_pdl=False" in plain
-    split = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-r2-c528-s2-pdl"))
+    split = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r2-c528-s2-pdl"))
     assert "SPLIT = 2" in split and "use_stage" in split and "conv_state" not in split
-    conv = render(Variant.parse("verify-h12-q4-conv-df-fp32-i32-sm90_wgmma-r1-c396-s1-pdl"))
+    conv = render(Variant.parse("verify-h12-q4-conv-df-fp32-i32-sm90_wgmma-t128-r1-c396-s1-pdl"))
     assert "conv_state[slot, channel, first + i]" in conv and "load_words" not in conv
+    assert "THREADS = 128" in plain and "OWN" not in plain and "barrier_id" not in plain
+    two = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t256-r1-c264-s1-pdl"))
+    assert "THREADS = 256" in two and "OWN = 4" in two and "partial" not in two
+    assert "if t < Q:" not in two  # the guarded last slot is only for odd windows
+    odd = render(Variant.parse("verify-h12-q7-i32-sm90_wgmma-t256-r1-c264-s1-pdl"))
+    assert "if t < Q:" in odd
 
 
 @pytest.mark.parametrize(
@@ -108,6 +119,9 @@ def test_rendered_source_has_only_its_variant() -> None:
         ({"row_split": 4}, "row_split=4 is not allowed for path 'sm90_wgmma'"),
         ({"conv": True, "row_split": 2}, "row_split=2 is not allowed with conv=True"),
         ({"stages": 3}, "stages=3 is not allowed"),
+        ({"threads": 512}, "threads=512 is not allowed for path 'sm90_wgmma'"),
+        ({"threads": 256, "row_split": 2}, "threads=256 needs row_split=1"),
+        ({"threads": 256, "conv": True}, "threads=256 needs row_split=1"),
     ],
 )
 def test_variant_rules_name_the_field(fields: dict, message: str) -> None:

@@ -24,7 +24,17 @@ sharded_check() { local space=$1 tag=$2 n=${CHECK_SHARDS:-4} pids=() i; for ((i 
     kdagen check --space "$space" ${CHECK_MATCH:+--match "$CHECK_MATCH"} --shard "$i/$n" --json "$out/check_${tag}_$i.json" \
       >"$out/check_${tag}_$i.log" 2>&1 & pids+=($!); done
   local rc=0; for i in "${pids[@]}"; do wait "$i" || rc=1; done
-  grep -h "^FAIL\|passed, " "$out"/check_"${tag}"_*.log; return $rc; }
+  grep -h "^FAIL\|passed, " "$out"/check_"${tag}"_*.log; worst "$out"/check_"${tag}"_*.json; return $rc; }
+# The worst error of each kind over a check's JSON results (and which variant and case).
+worst() { python3 - "$@" <<'PY'
+import json, sys
+rows = [r for path in sys.argv[1:] for r in json.load(open(path))]
+print(f"{len(rows)} cases, {sum(bool(r['error']) for r in rows)} with errors")
+for key in ("out_rel_l2", "out_max_rel", "corr_rel_l2", "corr_max_rms"):
+    r = max(rows, key=lambda r: r.get(key) or 0.0)
+    print(f"worst {key} {r.get(key)}: {r['variant']} ({r['case']})")
+PY
+}
 has() { [[ " $steps " == *" $1 "* ]]; }
 has compile && step compile kdagen compile --arch sm_90a --jobs 16
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify

@@ -29,9 +29,10 @@ H, Q = 12, 4
 
 def test_vllm_entry_point_gives_the_same_outputs_as_verify() -> None:
     inputs = make_verify_inputs(20, H, Q, device="cuda", seed=SEED)
-    variant = Variant(kernel="verify", heads=H, window=Q, path="sm90_wgmma", ctas=396)
     ours = clone_inputs(inputs)
-    verify(**verify_args(ours), variant=variant)
+    # Both dispatch (same contract and batch, so the same variant): variants may differ in the
+    # order of their fp32 sums, so only the same variant gives the same bits.
+    verify(**verify_args(ours))
 
     tokens, slots = inputs["qkv"].shape[0], inputs["slots"]
     qkv = inputs["qkv"].view(1, tokens, 3, H, 128)

@@ -1,0 +1,224 @@
+"""Per-CTA timeline of one sm90 verify variant under the benchmark (a perf-work tool).
+
+The variant's rendered source is patched (never the templates) so that thread 0 of every CTA
+records %globaltimer at: kernel entry, the return of griddepcontrol.wait, and per unit the
+loop top, the state's arrival, the projections barrier and the unit's end, then the exit.
+The records of the last launch of the benchmark's CUDA graph are summarised: when the CTAs
+start, when the first states land, how long a unit takes in steady state, and the tail.
+
+Usage (GPU host, the devkit sourced):
+    python scripts/trace_verify.py VARIANT BATCH [BATCH ...] [--trace] [--config=NAME ...]
+prints us per launch (the benchmark's method) for each ``--config`` (an experimental source
+patch of ``CONFIGS``; default: the rendered kernel as it is) and, with ``--trace``, the
+timeline of each. Only ``sm90_wgmma`` variants with one stage take the ``--config`` patches.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+
+os.environ["KDAGEN_CACHE"] = tempfile.mkdtemp(prefix="kdagen-trace-")  # patched builds only
+
+import torch  # noqa: E402
+
+import kdagen.compile as kcompile  # noqa: E402
+import kdagen.render as krender  # noqa: E402
+from kdagen.bench import copy_bandwidth, floor_us, time_graph, verify_launch, verify_sets  # noqa: E402
+from kdagen.variant import Variant  # noqa: E402
+
+SLOTS = 128  # int64 records per CTA: 4 header fields, then 4 per unit
+HEADER = 4
+UNITS = (SLOTS - HEADER) // 4
+
+HELPERS = '''
+
+@cute.jit
+def trace_put(index: Int32, value: Int64):
+    """Thread 0 stores one record of its CTA (trace_verify.py)."""
+    tid, _, _ = cute.arch.thread_idx()
+    cta, _, _ = cute.arch.block_idx()
+    if tid == 0:
+        address = Int64({base}) + (Int64(cta) * {slots} + Int64(index)) * 8
+        cute.arch.inline_ptx("st.global.u64 [{{$r0}}], {{$r1}};", read_only_args=[address, value])
+
+
+@cute.jit
+def trace_unit(n: Int32, field: cutlass.Constexpr[int]):
+    trace_put({header} + 4 * cutlass.min(n, {units} - 1) + field, cute.arch.globaltimer())
+
+'''
+
+
+def _insert(source: str, anchor: str, text: str, after: bool = True, nth: int = 0) -> str:
+    """Insert ``text`` (its indentation given) on the line after (or before) the ``nth``
+    line containing ``anchor``."""
+    lines = source.split("\n")
+    hits = [i for i, line in enumerate(lines) if anchor in line]
+    if len(hits) <= nth:
+        raise SystemExit(f"trace: anchor not found in the rendered source: {anchor!r}")
+    at = hits[nth] + (1 if after else 0)
+    return "\n".join(lines[:at] + text.split("\n") + lines[at:])
+
+
+def patch(source: str, base: int) -> str:
+    """The rendered module with the trace records added."""
+    helpers = HELPERS.format(base=base, slots=SLOTS, header=HEADER, units=UNITS)
+    source = _insert(source, "class Kda", helpers, after=False)
+    source = _insert(
+        source,
+        "warp, lane = tid // 32, tid % 32",
+        (
+            "        trace_t0 = cute.arch.globaltimer()\n"
+            "        trace_t1 = trace_t0\n"
+            "        trace_n = Int32(0)"
+        ),
+    )
+    source = _insert(
+        source, "griddepcontrol_launch_dependents()", "        trace_t1 = cute.arch.globaltimer()"
+    )
+    source = _insert(source, "while unit < units:", "            trace_unit(trace_n, 0)")
+    source = _insert(
+        source, "cute.arch.mbarrier_wait(state_full", "                trace_unit(trace_n, 1)"
+    )
+    source = _insert(
+        source, "cute.arch.barrier()  # projections", "            trace_unit(trace_n, 2)"
+    )
+    source = _insert(
+        source,
+        "unit, nxt = nxt, after",
+        ("            trace_unit(trace_n, 3)\n            trace_n = trace_n + 1"),
+        after=False,
+    )
+    source = _insert(
+        source,
+        "parity = parity ^ 1",
+        (
+            "        trace_put(2, cute.arch.globaltimer())\n"
+            "        trace_put(0, trace_t0)\n"
+            "        trace_put(1, trace_t1)\n"
+            "        trace_put(3, Int64(trace_n))"
+        ),
+    )
+    return source
+
+
+def _stats(values: list[float]) -> str:
+    if not values:
+        return "-"
+    values = sorted(values)
+    return (
+        f"{values[0]:6.2f} / {statistics.median(values):6.2f} / "
+        f"{values[int(0.9 * (len(values) - 1))]:6.2f} / {values[-1]:6.2f}"
+    )
+
+
+def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) -> None:
+    rows = records.view(-1, SLOTS)[:ctas].tolist()
+    base = min(r[0] for r in rows)
+    us = lambda t: (t - base) * 1e-3  # noqa: E731
+    counts = [min(r[3], UNITS) for r in rows]
+    units = [
+        [r[HEADER + 4 * i : HEADER + 4 * i + 4] for i in range(n)]
+        for r, n in zip(rows, counts, strict=True)
+    ]
+    ready = [us(u[1]) for cta in units for u in cta]
+    steady = [(cta[i][3] - cta[i - 1][3]) * 1e-3 for cta in units for i in range(1, len(cta))]
+    waits = [(u[1] - u[0]) * 1e-3 for cta in units for u in cta]
+    solve = [(u[3] - u[2]) * 1e-3 for cta in units for u in cta]
+    exits = [us(r[2]) for r in rows]
+    print(
+        f"  period (graph time per launch) {period_us:.2f} us, floor {floor:.2f} us, "
+        f"span (first entry -> last exit) {max(exits):.2f} us"
+    )
+    print("  (min / median / p90 / max, us from the first CTA's entry)")
+    print(f"  entry                 {_stats([us(r[0]) for r in rows])}")
+    print(f"  griddepcontrol.wait   {_stats([us(r[1]) for r in rows])}")
+    print(f"  first state ready     {_stats([us(c[0][1]) for c in units if c])}")
+    print(f"  first unit end        {_stats([us(c[0][3]) for c in units if c])}")
+    print(f"  last state ready      {_stats([us(c[-1][1]) for c in units if c])}")
+    print(f"  exit                  {_stats(exits)}")
+    print(f"  units per CTA         {min(counts)} / {statistics.median(counts)} / {max(counts)}")
+    print(f"  unit period (end to end, us)        {_stats(steady)}")
+    print(f"  loop top -> state ready (us)        {_stats(waits)}")
+    print(f"  projections -> unit end (us)        {_stats(solve)}")
+    bins = [0] * (int(max(ready, default=0)) + 1)
+    for t in ready:
+        bins[int(t)] += 1
+    print("  states ready per us: " + " ".join(str(b) for b in bins))
+
+
+PROLOGUE_LOAD = """        if warp == 0:
+            first_slot = Int64(slots[cta // H])
+            if first_slot > Int64(null_slot):
+"""
+
+
+def first_state_after_inputs(source: str, guard: str = "") -> str:
+    """Experiment: request the first unit's state after its inputs (meta, activations) are
+    requested, instead of in the prologue; with ``guard``, only in CTAs where it holds (the
+    others keep the prologue load)."""
+    head = source.index(PROLOGUE_LOAD)
+    end = source.index(")  # fmt: skip\n", head) + len(")  # fmt: skip\n")
+    block = source[head:end]
+    late = block.replace("if warp == 0:", f"if (warp == 0){' & (' + guard + ')' if guard else ''}:")
+    late = late.replace("first_slot = Int64(slots[cta // H])", "first_slot = slot")
+    early = block.replace("if warp == 0:", f"if (warp == 0) & ~({guard}):") if guard else ""
+    source = source[:head] + early + source[end:]
+    anchor = source.index("self.load_activations(", source.index("ticket = Int32(0)"))
+    anchor = source.index(")  # fmt: skip\n", anchor) + len(")  # fmt: skip\n")
+    return source[:anchor] + late + source[anchor:]
+
+
+CONFIGS = {
+    "prologue": lambda s: s,
+    "after-inputs": first_state_after_inputs,
+    "staggered": lambda s: first_state_after_inputs(s, "cta >= 132"),
+}
+
+
+def main(name: str, batches: list[int], configs: list[str], trace: bool) -> None:
+    from kdagen.runtime import launcher
+
+    variant = Variant.parse(name)
+    records = torch.zeros(variant.ctas * SLOTS, dtype=torch.int64, device="cuda")
+    original = krender.render
+    bandwidth = copy_bandwidth()
+    table = []
+    for batch in batches:
+        sets = verify_sets(variant, batch)
+        row = [batch, floor_us(variant, batch, bandwidth)]
+        for config in configs:
+
+            def patched(v, config=config):
+                source = original(v)
+                if v != variant:
+                    return source
+                source = CONFIGS[config](source)
+                return patch(source, records.data_ptr()) if trace else source
+
+            krender.render = kcompile.render = patched
+            launcher.cache_clear()
+            records.zero_()
+            timing = time_graph([verify_launch(s, variant) for s in sets])
+            torch.cuda.synchronize()
+            row.append(timing.median_us)
+            if trace:
+                ctas = min(variant.ctas, batch * variant.heads * variant.row_split)
+                print(f"{name} B={batch} {config} (H200 trace, last launch of the graph)")
+                summarise(records.cpu(), ctas, timing.median_us, row[1])
+        table.append(row)
+    print(f"{name}: us per launch (bench method{', traced builds' if trace else ''})")
+    print("B      floor  " + "  ".join(f"{c:>12}" for c in configs))
+    for row in table:
+        print(f"{row[0]:<5} {row[1]:6.2f}  " + "  ".join(f"{t:12.2f}" for t in row[2:]))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    trace = "--trace" in args
+    configs = [a.split("=", 1)[1] for a in args if a.startswith("--config=")] or ["prologue"]
+    rest = [a for a in args if not a.startswith("--")]
+    main(rest[0], [int(b) for b in rest[1:]], configs, trace)

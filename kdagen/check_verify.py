@@ -3,10 +3,11 @@
 A case passes when (issue 3's bar) out is within 3e-3 and corr within 1e-4 relative L2 of the
 unrounded fp64 reference, and element-wise every out element within ``MAX_REL`` of its own
 value (1 % of the rms as a floor) and every corr element within ``MAX_RMS`` of the tensor's
-rms (a wrong row or token is an O(1) error under either), kg is bit-exact, every element the contract does not let verify write keeps its poison (the state
-pool, its padding and the unwritten rows of out/corr/kg included), the rolled conv state is
-bit-exact, the work counter is zero after the launch, and a second launch as well as a
-CUDA-graph replay give identical bits.
+rms (a wrong row or token is an O(1) error under either), kg is bit-exact, every element the
+contract does not let verify write keeps its poison (the state pool, its padding and the
+unwritten rows of out/corr/kg included), the rolled conv state is bit-exact, the work counter
+is zero after the launch, and a second launch as well as a CUDA-graph replay give identical
+bits.
 """
 
 from __future__ import annotations

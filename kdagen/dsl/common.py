@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Int32, Int64, Uint16, Uint32
 
 
 def ptx_outputs(count: int) -> str:
@@ -97,7 +97,7 @@ def sigmoid(x: Float32, approx_rcp: cutlass.Constexpr[bool] = True) -> Float32:
     return Float32(1) / (Float32(1) + cute.math.exp(-x, fastmath=True))
 
 
-# The fast SiLU's rounding test (see ``silu``): its fp32 result is at most 17 ulp from
+# The fast SiLU's rounding test (see ``silu_fast``): its fp32 result is at most 17 ulp from
 # x / (1 + expf(-x)) for -16 <= x and |x| >= 2^-100 (every fp32 x checked on an H200 by
 # tests/test_silu.py); 32 ulp of margin from a bf16 rounding midpoint settles the rounding.
 SILU_MARGIN_ULP = 32
@@ -120,36 +120,36 @@ SILU_FAST = (
 
 
 @cute.jit
-def silu(x: Float32, fast: cutlass.Constexpr[bool] = True) -> Float32:
-    """``x / (1 + exp(-x))`` (accurate exp, IEEE division) as far as its bf16 rounding goes.
-    ``fast``: the approximate exp and reciprocal first (5 instructions), and the exact form
-    only where their result lies within ``SILU_MARGIN_ULP`` of a bf16 rounding midpoint or
-    outside the range where that margin is proven (~0.1 % of values). Rounded to bf16, the
-    result is bit-identical to the exact form's, which ``kg`` records. Without ``fast``, the
-    exact form alone (fewer live registers: ptxas then spills less in uncapped kernels)."""
-    if cutlass.const_expr(not fast):
-        return x / (Float32(1) + cute.math.exp(-x))
-    y, doubt = cute.arch.inline_ptx(
-        SILU_FAST, write_only_types=[Float32, Int32], read_only_args=[x]
-    )
-    if doubt != 0:
-        # Through an opaque move, so the compiler cannot hoist the exact form out of the
-        # branch and compute both for every value.
-        x_doubt = cute.arch.inline_ptx(
-            "mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x]
-        )
-        y = x_doubt / (Float32(1) + cute.math.exp(-x_doubt))
-    return y
+def silu(x: Float32) -> Float32:
+    """``x / (1 + exp(-x))`` with the accurate exp and an IEEE division: the form whose bf16
+    rounding ``kg`` and the conv state record."""
+    return x / (Float32(1) + cute.math.exp(-x))
 
 
 @cute.jit
-def pack_bf16x2(lo: Float32, hi: Float32) -> Uint32:
-    """Two bf16-valued fp32 numbers as one packed bf16 word (``lo`` in the low half; the
-    conversion is exact for values that came from bf16)."""
+def silu_fast(x: Float32) -> tuple:
+    """``silu(x)`` through the approximate exp and reciprocal (5 instructions), and a doubt
+    flag (Int32 1 or 0): set where the result lies within ``SILU_MARGIN_ULP`` of a bf16
+    rounding midpoint or outside the range where that margin is proven (~0.1 % of values).
+    Where it is clear, the result rounds to the same bf16 as ``silu(x)``."""
+    return cute.arch.inline_ptx(SILU_FAST, write_only_types=[Float32, Int32], read_only_args=[x])
+
+
+@cute.jit
+def silu_settled(x: Float32) -> Float32:
+    """``silu(x)`` for a doubted fast result, its input through an opaque move so the
+    compiler cannot hoist the exact form out of the rare branch and run it for every value."""
+    x_opaque = cute.arch.inline_ptx(
+        "mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x]
+    )
+    return silu(x_opaque)
+
+
+@cute.jit
+def pack_bf16x2(lo: Uint16, hi: Uint16) -> Uint32:
+    """Two bf16 bit patterns as one packed word, ``lo`` in the low half (one byte permute)."""
     return cute.arch.inline_ptx(
-        "cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",
-        write_only_types=[Uint32],
-        read_only_args=[lo, hi],
+        "mov.b32 {$w0}, {{$r0}, {$r1}};", write_only_types=[Uint32], read_only_args=[lo, hi]
     )
 
 

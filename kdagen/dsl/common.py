@@ -154,6 +154,17 @@ def pack_bf16x2(lo: Uint16, hi: Uint16) -> Uint32:
 
 
 @cute.jit
+def pack_f32_bf16x2(lo: Float32, hi: Float32) -> Uint32:
+    """Two bf16-valued fp32 numbers as one packed bf16 word (``lo`` in the low half; the
+    conversion is exact for values that came from bf16)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",
+        write_only_types=[Uint32],
+        read_only_args=[lo, hi],
+    )
+
+
+@cute.jit
 def bf16_broadcast(word: Uint32, half: cutlass.Constexpr[int]) -> Uint32:
     """Half ``half`` (0: low, 1: high) of a packed bf16 pair in both halves."""
     selector = 0x1010 if half == 0 else 0x3232

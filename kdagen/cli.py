@@ -2,7 +2,7 @@
 
 Each command is a thin shell over one module: ``variants`` (kdagen.space), ``render``
 (kdagen.render, templates/), ``compile`` (kdagen.compile), ``check`` (kdagen.check),
-``bench`` (kdagen.bench).
+``bench`` (kdagen.bench), ``emit`` (kdagen.emit), ``tune`` (kdagen.tune_cli).
 """
 
 from __future__ import annotations
@@ -345,6 +345,49 @@ def _bench_table(rows: list, heads: int, kernel: str, conv: bool) -> None:
         )
     if kernel == "verify" and conv:
         typer.echo(f"{label} does not fuse the conv: its time leaves out the conv kernel it needs")
+
+
+@app.command()
+def emit(
+    table: Path = typer.Option(
+        None, help="a tuned table's folder (default: the one folder under generated/)"
+    ),
+    out: Path = typer.Option(Path("out/emit"), help="the package is written to OUT/NAME"),
+    name: str = typer.Option("kda_kernels", help="the package's import name"),
+    key: list[str] = typer.Option(
+        None, "--key", help="contract key to serve (repeatable; default: every tuned key)"
+    ),
+    jobs: int = typer.Option(0, help="compile processes (0: one per CPU)"),
+) -> None:
+    """Turn a tuned table into a package to vendor: prebuilt kernels, the table and the
+    run-time API (needs only torch and nvidia-cutlass-dsl)."""
+    from kdagen.dispatch import StaleTableError, generated_root
+    from kdagen.emit import EmitError
+    from kdagen.emit import emit as write_package
+    from kdagen.variant import VariantError
+
+    if table is None:
+        found = sorted(p.parent for p in generated_root().glob("*/dispatch.json"))
+        if len(found) != 1:
+            raise typer.BadParameter(
+                f"--table: {len(found)} tables under {generated_root()}; name one",
+                param_hint="--table",
+            )
+        table = found[0]
+    try:
+        done = write_package(table, out, name, key or None, jobs)
+    except (EmitError, StaleTableError, VariantError) as err:
+        typer.echo(f"kdagen emit: {err}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{'contract key':<34} {'bucket -> variant'}")
+    for k, by_batch in done.choices.items():
+        for batch, variant in by_batch.items():
+            typer.echo(f"{k:<34} {batch:>5}  {variant.removeprefix(k + '-')}")
+    typer.echo(
+        f"wrote {done.package}: {len(done.variants)} kernels for {done.arch} "
+        f"({done.fingerprint}), {len(done.keys)} contract key(s), {done.bytes / 2**20:.1f} MiB\n"
+        f"use: sys.path.insert(0, {str(done.package.parent)!r}); import {name}"
+    )
 
 
 from kdagen.tune_cli import tune  # noqa: E402  (its own module: kdagen/tune_cli.py)

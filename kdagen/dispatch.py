@@ -156,7 +156,20 @@ def load_table(folder: Path) -> DispatchTable | None:
 
 def check_fresh(table: DispatchTable, kernel: str, source: str) -> None:
     """Raise ``StaleTableError`` naming what changed when ``table`` no longer matches the code."""
-    from kdagen.render import dsl_version, template_digest
+    from kdagen import bundle
+    from kdagen.fingerprint import dsl_version
+
+    if bundle.active():
+        # An emitted package's kernels were compiled from this table's templates (emit refuses
+        # a stale table); what can still change is the DSL that loads their objects.
+        why = table.staleness(kernel, dsl_version(), table.template_hashes.get(kernel, ""))
+        if why:
+            raise StaleTableError(
+                f"refusing the emitted package's table {source} for kernel {kernel!r}: {why}. "
+                f"Install nvidia-cutlass-dsl=={table.dsl_version} or re-run `kdagen emit`."
+            )
+        return
+    from kdagen.render import template_digest
 
     why = table.staleness(kernel, dsl_version(), template_digest(kernel))
     if why:
@@ -168,7 +181,12 @@ def check_fresh(table: DispatchTable, kernel: str, source: str) -> None:
 
 
 def generated_root() -> Path:
-    """Where tables live: ``$KDAGEN_GENERATED``, else ``generated/`` of the checkout."""
+    """Where tables live: an emitted package's own ``generated/``; else
+    ``$KDAGEN_GENERATED``, else ``generated/`` of the checkout."""
+    from kdagen import bundle
+
+    if bundle.active():
+        return bundle.table_root()
     return Path(os.environ.get("KDAGEN_GENERATED", PACKAGE_ROOT / "generated"))
 
 

@@ -1,4 +1,5 @@
-"""The GPU fingerprint that names a folder of ``generated/``: ``nvidia-h200-sm90-132sm``.
+"""The GPU fingerprint that names a folder of ``generated/``: ``nvidia-h200-sm90-132sm``, and
+the DSL version a table and its compiled kernels were made with.
 
 Tuning results hold for one GPU model: its name, compute capability and SM count go into the
 folder name (two SKUs of one chip with different SM counts tune differently). Driver and CUDA
@@ -8,7 +9,9 @@ and a table per driver would never be reused.
 
 from __future__ import annotations
 
+import functools
 import re
+from importlib import metadata
 from typing import Any
 
 
@@ -46,3 +49,14 @@ def device_info(device: Any = None) -> dict[str, Any]:
 
 def gpu_fingerprint(device: Any = None) -> str:
     return str(device_info(device)["fingerprint"])
+
+
+@functools.cache
+def dsl_version() -> str:
+    """The installed nvidia-cutlass-dsl version (tables and exported kernels record it)."""
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:  # the GPU host's devkit unpacks without metadata
+        import cutlass
+
+        return str(getattr(cutlass, "__version__", "unknown"))

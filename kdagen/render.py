@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from importlib import metadata
 from pathlib import Path
 
 import jinja2
 
+from kdagen.fingerprint import dsl_version
 from kdagen.variant import Variant
 
 TEMPLATE_DIR = Path(
@@ -49,16 +49,6 @@ def _context(variant: Variant) -> dict[str, object]:
 def render(variant: Variant) -> str:
     """The variant's kernel module as Python source."""
     return environment().get_template(variant.spec.template).render(**_context(variant))
-
-
-@functools.cache
-def dsl_version() -> str:
-    try:
-        return metadata.version("nvidia-cutlass-dsl")
-    except metadata.PackageNotFoundError:  # the GPU host's devkit unpacks without metadata
-        import cutlass
-
-        return str(getattr(cutlass, "__version__", "unknown"))
 
 
 @functools.cache

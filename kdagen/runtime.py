@@ -2,7 +2,8 @@
 
 Launches allocate nothing on the device and never synchronise, so they can be captured in
 CUDA graphs. The first launch of a variant in a process loads its exported object from the
-compile cache, or compiles it (seconds) and exports it for the next process.
+compile cache, or compiles it (seconds) and exports it for the next process; in a package
+written by ``kdagen emit`` it loads the package's prebuilt object (``kdagen.bundle``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ def device_arch(device: torch.device | None = None) -> str:
 
 @functools.cache
 def launcher(variant: Variant, arch: str) -> Any:
-    """The compiled kernel for ``arch``: from the cache's exported object, else compiled now."""
-    from kdagen import compile as kcompile
+    """The compiled kernel for ``arch``: in a package written by ``kdagen emit``, its prebuilt
+    object; else the compile cache's exported object, else compiled now."""
+    from kdagen import bundle
 
     if arch not in variant.spec.archs:
         raise KdaInputError(
             f"variant {variant.name} targets {list(variant.spec.archs)}, not this GPU's {arch}"
         )
+    if bundle.active():
+        return bundle.load(variant.name, arch)
+    from kdagen import compile as kcompile
+
     out_dir = kcompile.variant_dir(variant) / arch
     obj = out_dir / "kernel.o"
     if obj.exists():
@@ -193,16 +199,21 @@ def _dispatched(
 
 
 def heuristic_variant(
-    kernel: str, contract: Mapping[str, Any], batch: int, arch: str | None = None
+    kernel: str,
+    contract: Mapping[str, Any],
+    batch: int,
+    arch: str | None = None,
+    sms: int | None = None,
 ) -> Variant:
     """The built-in choice for ``kernel`` with ``contract`` (a Variant's contract fields; the
     conv ones only matter for verify) at ``batch``: what runs without a dispatch table, and
-    the untuned default a tuned winner is measured against."""
+    the untuned default a tuned winner is measured against. ``arch``, ``sms``: of the GPU
+    it is for (default: the current one)."""
     heads, window, slot_dtype = contract["heads"], contract["window"], contract["slot_dtype"]
     if kernel == "commit":
         return default_commit_variant(heads, window, slot_dtype, batch)
     conv = {k: contract[k] for k in ("conv", "conv_layout", "conv_weight_dtype") if k in contract}
-    return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, **conv)
+    return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, sms=sms, **conv)
 
 
 def _resolve_variant(
@@ -249,9 +260,11 @@ def default_verify_variant(
     conv_layout: str = "token_major",
     conv_weight_dtype: str = "bf16",
     arch: str | None = None,
+    sms: int | None = None,
 ) -> Variant:
     """Built-in heuristic until a dispatch table is present: the arch's path, every SM's
-    resident CTAs, and (without conv) two CTAs per item while items alone leave SMs idle."""
+    resident CTAs, and (without conv) two CTAs per item while items alone leave SMs idle.
+    ``arch`` and ``sms`` (SM count): the current GPU's when not given."""
     arch = arch or device_arch()
     contract = {
         "kernel": "verify", "heads": heads, "window": window, "slot_dtype": slot_dtype,
@@ -259,7 +272,7 @@ def default_verify_variant(
     }  # fmt: skip
     if arch == "sm_100a":
         return Variant(**contract, path="sm100_tcgen05", ctas=740)
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     split = 2 if not conv and batch * heads < 2 * sms else 1
     return Variant(
         **contract, path="sm90_wgmma", row_split=split, ctas=_SM90_RESIDENT[conv] * sms, stages=1

@@ -53,7 +53,8 @@ class Stamp:
 
 
 def make_stamp(fingerprint: str, kernels: Sequence[str]) -> Stamp:
-    from kdagen.render import dsl_version, template_digest
+    from kdagen.fingerprint import dsl_version
+    from kdagen.render import template_digest
 
     return Stamp(fingerprint, dsl_version(), {k: template_digest(k) for k in sorted(set(kernels))})
 

@@ -191,15 +191,7 @@ class Variant:
         """The inverse of ``name``: ``commit-h12-q8-i32-bulk-t128-v8-r1-pdl``."""
         tokens = name.split("-")
         try:
-            values: dict[str, Any] = {"kernel": tokens.pop(0)}
-            values["heads"] = int(_strip(tokens.pop(0), "h"))
-            values["window"] = int(_strip(tokens.pop(0), "q"))
-            if tokens and tokens[0] == "conv":
-                tokens.pop(0)
-                values["conv"] = True
-                values["conv_layout"] = _LONG[tokens.pop(0)]
-                values["conv_weight_dtype"] = tokens.pop(0)
-            values["slot_dtype"] = _LONG[tokens.pop(0)]
+            values = _pop_contract(tokens)
             values["path"] = tokens.pop(0)
             by_token = {token: field_name for field_name, token in _TUNING_TOKENS}
             for token in tokens:
@@ -223,6 +215,41 @@ class Variant:
         if unknown:
             raise VariantError(f"unknown variant field(s) {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+
+def parse_contract_key(key: str) -> dict[str, Any]:
+    """The contract fields of a dispatch key (``Variant.contract_key``), e.g.
+    ``verify-h12-q8-conv-tm-bf16-i32`` -> kernel, heads, window, conv settings, slot dtype."""
+    tokens = key.split("-")
+    try:
+        values = _pop_contract(tokens)
+        if tokens:
+            raise ValueError(f"unexpected {'-'.join(tokens)!r} after the slot dtype")
+    except IndexError:
+        raise VariantError(
+            f"contract key {key!r} ends early: expected kernel-hH-qQ[-conv-LAYOUT-TAPS]-SLOTS, "
+            "e.g. 'verify-h12-q8-i32' or 'verify-h12-q8-conv-tm-bf16-i32'"
+        ) from None
+    except (KeyError, ValueError) as err:
+        raise VariantError(
+            f"cannot parse contract key {key!r} (expected e.g. 'verify-h12-q8-i32' or "
+            f"'verify-h12-q8-conv-tm-bf16-i32'): {err}"
+        ) from None
+    return values
+
+
+def _pop_contract(tokens: list[str]) -> dict[str, Any]:
+    """Consume the contract tokens at the front of a split name or key."""
+    values: dict[str, Any] = {"kernel": tokens.pop(0)}
+    values["heads"] = int(_strip(tokens.pop(0), "h"))
+    values["window"] = int(_strip(tokens.pop(0), "q"))
+    if tokens and tokens[0] == "conv":
+        tokens.pop(0)
+        values["conv"] = True
+        values["conv_layout"] = _LONG[tokens.pop(0)]
+        values["conv_weight_dtype"] = tokens.pop(0)
+    values["slot_dtype"] = _LONG[tokens.pop(0)]
+    return values
 
 
 def _strip(token: str, prefix: str) -> str:

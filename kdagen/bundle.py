@@ -1,0 +1,59 @@
+"""The prebuilt kernels of a package written by ``kdagen emit``.
+
+An emitted package holds copies of the run-time modules (this one among them), its dispatch
+table under ``generated/`` and ``kernels/manifest.json`` with the exported kernel objects the
+table can choose. There the run-time loads those objects and never compiles, and a variant the
+package does not hold is an error that says which ones it does. kdagen itself has no
+``kernels/`` folder beside its modules: ``active()`` is False and kernels compile on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from kdagen.validate import KdaInputError
+
+KERNELS = Path(__file__).resolve().parent / "kernels"
+MANIFEST = "manifest.json"
+
+
+@functools.cache
+def manifest() -> dict[str, Any] | None:
+    """The package's manifest (None outside an emitted package)."""
+    path = KERNELS / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def active() -> bool:
+    return manifest() is not None
+
+
+def table_root() -> Path:
+    """Where an emitted package keeps its dispatch table (``generated/<fingerprint>/``)."""
+    return KERNELS.parent / "generated"
+
+
+def held(variant_name: str, arch: str) -> tuple[Path, str]:
+    """The exported object of ``variant_name`` for ``arch`` and its symbol; a variant the
+    package does not hold is a ``KdaInputError`` naming what it does hold."""
+    found = manifest()["kernels"].get(variant_name, {}).get(arch)
+    if found is None:
+        held = manifest()
+        raise KdaInputError(
+            f"{variant_name} for {arch} is not in this package: it holds "
+            f"{len(held['kernels'])} kernels for {held['arch']} on {held['fingerprint']} "
+            f"(contract keys {', '.join(held['keys'])}). Re-run `kdagen emit` with this "
+            "contract key (--key), on a table for this GPU."
+        )
+    return KERNELS / found["object"], found["symbol"]
+
+
+def load(variant_name: str, arch: str) -> Any:
+    """The launchable kernel ``variant_name`` for ``arch`` from the package's objects."""
+    import cutlass.cute as cute
+
+    path, symbol = held(variant_name, arch)
+    return getattr(cute.runtime.load_module(str(path)), symbol)

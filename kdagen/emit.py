@@ -1,0 +1,187 @@
+"""``kdagen emit``: a tuned table turned into a package a serving engine can vendor.
+
+The package needs torch and nvidia-cutlass-dsl only (no kdagen, Jinja, Optuna or YAML), and
+never compiles: it holds
+
+- copies of the run-time modules (``RUNTIME_MODULES``: validation, dispatch, launch, the
+  vLLM entry point), their ``kdagen`` imports pointed at the package;
+- the dispatch table, under ``generated/<fingerprint>/`` as in a checkout;
+- ``kernels/``: the exported object of every variant the table can choose for the selected
+  contract keys, and ``manifest.json`` naming each object's symbol (``kdagen.bundle``).
+
+Which variants: for each key and each batch bucket the table has for it, the variant the
+run-time's own lookup picks (``dispatch.resolve`` over the built-in heuristic), so any batch
+resolves to a held kernel: between buckets the lookup takes the nearest one. A stale table is
+refused, as at run time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kdagen import __version__
+from kdagen.variant import Variant, parse_contract_key
+
+if TYPE_CHECKING:
+    from kdagen.dispatch import DispatchTable
+
+# The run-time modules an emitted package carries (kdagen/<name>.py, copied).
+RUNTIME_MODULES = (
+    "abi", "bundle", "dispatch", "fingerprint", "runtime", "validate", "variant", "vllm",
+)  # fmt: skip
+KDAGEN_IMPORT = re.compile(r"\bfrom kdagen(?=[. ])")
+
+
+class EmitError(RuntimeError):
+    """The package cannot be written (no table, a key the table cannot serve, a failed
+    compile); the message says which and why."""
+
+
+@dataclass
+class Emitted:
+    package: Path
+    fingerprint: str
+    arch: str
+    keys: list[str]
+    variants: list[str]
+    bytes: int
+    choices: dict[str, dict[int, str]] = field(default_factory=dict)  # key -> bucket -> variant
+
+
+def emit(
+    table_dir: Path,
+    out: Path,
+    name: str = "kda_kernels",
+    keys: Sequence[str] | None = None,
+    jobs: int = 0,
+    on_compiled: Callable[[object], None] | None = None,
+) -> Emitted:
+    """Write the package ``out/name`` from the table in ``table_dir``; ``keys``: the contract
+    keys to serve (default: every key the table has entries for)."""
+    from kdagen import dispatch
+
+    if not name.isidentifier():
+        raise EmitError(f"--name {name!r} is not a Python package name")
+    table = dispatch.load_table(table_dir)
+    if table is None:
+        raise EmitError(f"no dispatch table in {table_dir} (expected {dispatch.TABLE_FILE})")
+    arch = str(table.device.get("arch") or "")
+    if not arch:
+        raise EmitError(f"the table in {table_dir} does not record its GPU's arch")
+    keys = list(keys or table.entries)
+    choices = {key: _choices(table, key, arch) for key in keys}
+    for kernel in sorted({key.split("-", 1)[0] for key in keys}):
+        dispatch.check_fresh(table, kernel, str(table_dir / dispatch.TABLE_FILE))
+    variants = sorted({v for by_batch in choices.values() for v in by_batch.values()})
+    objects = _compile([Variant.parse(v) for v in variants], arch, jobs, on_compiled)
+
+    package = out / name
+    if package.exists():
+        shutil.rmtree(package)
+    (package / "kernels" / arch).mkdir(parents=True)
+    kernels = {}
+    for variant, (obj, symbol) in objects.items():
+        target = Path(arch) / f"{variant}.o"  # relative to kernels/, as kdagen.bundle reads it
+        shutil.copyfile(obj, package / "kernels" / target)
+        kernels[variant] = {arch: {"object": target.as_posix(), "symbol": symbol}}
+    _copy_runtime(package, name)
+    table_folder = package / "generated" / table.fingerprint
+    table_folder.mkdir(parents=True)
+    shutil.copyfile(table_dir / dispatch.TABLE_FILE, table_folder / dispatch.TABLE_FILE)
+    manifest = {
+        "package": name,
+        "fingerprint": table.fingerprint,
+        "arch": arch,
+        "dsl_version": table.dsl_version,
+        "template_hashes": table.template_hashes,
+        "table_created": table.created,
+        "emitted": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "kdagen": __version__,
+        "keys": keys,
+        "choices": choices,
+        "kernels": kernels,
+    }
+    (package / "kernels" / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (package / "__init__.py").write_text(_init_source(manifest))
+    size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
+    return Emitted(package, table.fingerprint, arch, keys, variants, size, choices)
+
+
+def _choices(table: DispatchTable, key: str, arch: str) -> dict[int, str]:
+    """Bucket -> the variant the run-time's lookup picks for ``key`` there."""
+    from kdagen import dispatch
+    from kdagen.runtime import heuristic_variant
+
+    contract = parse_contract_key(key)
+    kernel = contract.pop("kernel")
+    rows = table.entries.get(key) or table.defaults.get(kernel)
+    if not rows:
+        raise EmitError(f"the table has no entry for {key} and no per-GPU default for {kernel}")
+    found = {}
+    for batch in sorted({row.batch for row in rows}):
+        base = heuristic_variant(kernel, contract, batch, arch, table.device.get("sms"))
+        with warnings.catch_warnings():  # the fallbacks are the point here, not news
+            warnings.simplefilter("ignore", dispatch.DispatchFallbackWarning)
+            found[batch] = dispatch.resolve(table, kernel, base, batch).name
+    return found
+
+
+def _compile(
+    variants: list[Variant], arch: str, jobs: int, on_compiled: Callable[[object], None] | None
+) -> dict[str, tuple[Path, str]]:
+    """Compile (or reuse from the cache) each variant; its exported object and symbol."""
+    from kdagen.compile import compile_many, export_symbol, variant_dir
+
+    records = compile_many(variants, [arch], jobs=jobs, on_result=on_compiled)
+    failed = [r for r in records if not r.ok]
+    if failed:
+        raise EmitError(
+            f"{len(failed)} variant(s) did not compile for {arch}, e.g. {failed[0].variant}:\n"
+            f"{failed[0].error}"
+        )
+    return {v.name: (variant_dir(v) / arch / "kernel.o", export_symbol(v)) for v in variants}
+
+
+def _copy_runtime(package: Path, name: str) -> None:
+    """The run-time modules, their ``from kdagen`` imports turned into ``from <name>``."""
+    source = Path(__file__).resolve().parent
+    header = (
+        f"# Copied by `kdagen emit` (kdagen {__version__}) from kdagen/{{module}}.py. Here\n"
+        "# kdagen.bundle is active: kernels load from kernels/, and the compile and template\n"
+        "# paths (kdagen's compile and render modules, not copied) are never taken.\n"
+    )
+    for module in RUNTIME_MODULES:
+        text = KDAGEN_IMPORT.sub(f"from {name}", (source / f"{module}.py").read_text())
+        (package / f"{module}.py").write_text(header.format(module=module) + text)
+
+
+def _init_source(manifest: dict) -> str:
+    keys = "\n".join(f"    {key}" for key in manifest["keys"])
+    return f'''"""KDA speculative-decoding kernels for {manifest["fingerprint"]} ({manifest["arch"]}), emitted
+by kdagen {manifest["kdagen"]} on {manifest["emitted"]} from the dispatch table tuned on
+{manifest["table_created"]}. Needs torch and nvidia-cutlass-dsl=={manifest["dsl_version"]}.
+
+{len(manifest["kernels"])} prebuilt kernels serve these contract keys (any batch):
+{keys}
+
+    verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg, ...)
+    commit(state, corr, kg, a_log, dt_bias, slots, accepted, ...)
+    kda_recoverssm_verify(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, ...)
+
+Arguments and layouts as in kdagen's README; bad input raises KdaInputError.
+"""
+
+from {manifest["package"]}.runtime import commit, verify
+from {manifest["package"]}.validate import KdaInputError
+from {manifest["package"]}.vllm import kda_recoverssm_verify
+
+__all__ = ["KdaInputError", "commit", "kda_recoverssm_verify", "verify"]
+'''

@@ -1,0 +1,159 @@
+"""``kdagen emit``: the package it writes from the committed H200 table serves every batch of
+its keys from prebuilt kernels, imports without kdagen or the tuning stack, and (GPU) gives
+the bits ``kdagen.verify`` and ``kdagen.commit`` give."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdagen.dispatch import PACKAGE_ROOT, TABLE_FILE, StaleTableError
+from kdagen.emit import emit
+from kdagen.variant import VariantError
+
+TABLE = PACKAGE_ROOT / "generated" / "nvidia-h200-sm90-132sm"
+KEYS = ["verify-h12-q4-i32", "commit-h12-q4-i32"]
+# What an engine that vendors the package must not need: kdagen and the tuning stack.
+BLOCKED = ("kdagen", "jinja2", "optuna", "typer", "yaml")
+BLOCKER = f"""
+import importlib.abc, sys
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ImportError("the emitted package imported " + name)
+sys.meta_path.insert(0, Blocked())
+"""
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    return emit(TABLE, tmp_path_factory.mktemp("emit"), "kda_test_kernels", KEYS, jobs=2).package
+
+
+def run_isolated(package: Path, body: str) -> dict:
+    """Run ``body`` in a fresh interpreter that cannot import kdagen (only the package, from
+    its folder); ``body`` sets ``result``, which comes back through JSON."""
+    script = BLOCKER + f"sys.path.insert(0, {str(package.parent)!r})\n" + textwrap.dedent(body)
+    script += "\nprint('RESULT ' + json.dumps(result))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=package.parent
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> None:
+    manifest = json.loads((package / "kernels" / "manifest.json").read_text())
+    assert manifest["keys"] == KEYS and manifest["arch"] == "sm_90a"
+    result = run_isolated(
+        package,
+        """
+        import json, warnings
+        import torch
+        import kda_test_kernels as pkg
+        from kda_test_kernels import bundle, dispatch, runtime
+        from kda_test_kernels.variant import Variant
+
+        table_dir = dispatch.generated_root() / "nvidia-h200-sm90-132sm"
+        table = dispatch.load_table(table_dir)
+        dispatch.check_fresh(table, "verify", str(table_dir))
+        chosen = {}
+        warnings.simplefilter("ignore")
+        for batch in (1, 3, 8, 20, 64, 100, 512, 4096):
+            for kernel in ("verify", "commit"):
+                contract = {"heads": 12, "window": 4, "slot_dtype": "int32"}
+                base = runtime.heuristic_variant(kernel, contract, batch, "sm_90a", 132)
+                chosen[f"{kernel} {batch}"] = dispatch.resolve(table, kernel, base, batch).name
+        try:
+            runtime.launcher(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl"),
+                             "sm_90a")
+            unheld = "launched"
+        except pkg.KdaInputError as err:
+            unheld = str(err)
+        try:
+            x = torch.zeros(4, 3 * 12 * 128, dtype=torch.bfloat16)
+            pkg.verify(x, x, x, x, x, x, x, x, x, x, x)
+            bad_input = "accepted"
+        except pkg.KdaInputError as err:
+            bad_input = str(err)
+        objects = [bundle.held(name, "sm_90a")[0] for name in bundle.manifest()["kernels"]]
+        result = {
+            "active": bundle.active(),
+            "objects": [path.stat().st_size for path in objects],
+            "root": str(dispatch.generated_root()),
+            "chosen": chosen,
+            "unheld": unheld,
+            "bad_input": bad_input,
+            "loaded": sorted({m.split(".")[0] for m in sys.modules}),
+        }
+        """,
+    )
+    assert result["active"] and result["root"] == str(package / "generated")
+    assert len(result["objects"]) == len(manifest["kernels"]) and min(result["objects"]) > 0
+    missing = {k: v for k, v in result["chosen"].items() if v not in manifest["kernels"]}
+    assert not missing, f"the run-time would pick kernels the package does not hold: {missing}"
+    assert "is not in this package" in result["unheld"] and "verify-h12-q4-i32" in result["unheld"]
+    assert result["bad_input"].startswith("kdagen.verify:"), result["bad_input"]
+    assert not set(BLOCKED) & set(result["loaded"])
+
+
+def test_emit_refuses_a_stale_table(tmp_path: Path) -> None:
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    stale = tmp_path / "table"
+    shutil.copytree(TABLE, stale, ignore=shutil.ignore_patterns("plots", "*.db"))
+    data = json.loads((stale / TABLE_FILE).read_text())
+    data["template_hashes"]["verify"] = "0" * 16
+    (stale / TABLE_FILE).write_text(json.dumps(data))
+    with pytest.raises(StaleTableError, match="the verify templates changed"):
+        emit(stale, tmp_path / "out", keys=["verify-h12-q4-i32"])
+
+
+def test_emit_names_a_malformed_key(tmp_path: Path) -> None:
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    with pytest.raises(VariantError, match="contract key 'verify-h12-q4' ends early"):
+        emit(TABLE, tmp_path, keys=["verify-h12-q4"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_package_gives_kdagens_bits(package: Path, tmp_path: Path) -> None:
+    """verify then commit through the package (in a process without kdagen) and through
+    kdagen, on the same inputs: out, corr, kg and the committed state bit-identical."""
+    from kdagen.runtime import commit, verify
+    from kdagen.testing import bits, clone_inputs, commit_args, make_verify_inputs, verify_args
+
+    inputs = make_verify_inputs(20, 12, 4, device="cuda", seed=7)
+    accepted = torch.randint(1, 5, (20,), dtype=torch.int32, device="cuda")
+    theirs = clone_inputs(inputs)
+    torch.save({"verify": verify_args(theirs), "accepted": accepted}, tmp_path / "inputs.pt")
+    run_isolated(
+        package,
+        f"""
+        import json, torch
+        import kda_test_kernels as pkg
+        saved = torch.load({str(tmp_path / "inputs.pt")!r})
+        args = saved["verify"]
+        pkg.verify(**args)
+        pkg.commit(args["state"], args["corr"], args["kg"], args["a_log"], args["dt_bias"],
+                   args["slots"], saved["accepted"], lower_bound=args["lower_bound"])
+        torch.save(args, {str(tmp_path / "outputs.pt")!r})
+        result = {{}}
+        """,
+    )
+    verify(**verify_args(inputs))
+    commit(**commit_args(inputs, accepted))
+    got = torch.load(tmp_path / "outputs.pt")
+    for name in ("out", "corr", "kg", "state"):
+        assert torch.equal(bits(got[name].cuda()), bits(inputs[name])), name

@@ -70,6 +70,8 @@ def emit(
 
     if not name.isidentifier():
         raise EmitError(f"--name {name!r} is not a Python package name")
+    package = out / name
+    _refuse_foreign(package)
     table = dispatch.load_table(table_dir)
     if table is None:
         raise EmitError(f"no dispatch table in {table_dir} (expected {dispatch.TABLE_FILE})")
@@ -83,15 +85,9 @@ def emit(
     variants = sorted({v for by_batch in choices.values() for v in by_batch.values()})
     objects = _compile([Variant.parse(v) for v in variants], arch, jobs, on_compiled)
 
-    package = out / name
     if package.exists():
-        shutil.rmtree(package)
-    (package / "kernels" / arch).mkdir(parents=True)
-    kernels = {}
-    for variant, (obj, symbol) in objects.items():
-        target = Path(arch) / f"{variant}.o"  # relative to kernels/, as kdagen.bundle reads it
-        shutil.copyfile(obj, package / "kernels" / target)
-        kernels[variant] = {arch: {"object": target.as_posix(), "symbol": symbol}}
+        shutil.rmtree(package)  # an earlier emit (checked above)
+    kernels = _write_kernels(package, arch, objects)
     _copy_runtime(package, name)
     table_folder = package / "generated" / table.fingerprint
     table_folder.mkdir(parents=True)
@@ -113,6 +109,23 @@ def emit(
     (package / "__init__.py").write_text(_init_source(manifest))
     size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
     return Emitted(package, table.fingerprint, arch, keys, variants, size, choices)
+
+
+def _refuse_foreign(package: Path) -> None:
+    """Only an earlier emit of the package may be replaced, never another folder."""
+    if package.exists() and not (package / "kernels" / "manifest.json").exists():
+        raise EmitError(f"{package} exists and is not a package kdagen emitted; not replacing it")
+
+
+def _write_kernels(package: Path, arch: str, objects: dict[str, tuple[Path, str]]) -> dict:
+    """Copy the objects into ``kernels/<arch>/``; the manifest's ``kernels`` entries."""
+    (package / "kernels" / arch).mkdir(parents=True)
+    kernels = {}
+    for variant, (obj, symbol) in objects.items():
+        target = Path(arch) / f"{variant}.o"  # relative to kernels/, as kdagen.bundle reads it
+        shutil.copyfile(obj, package / "kernels" / target)
+        kernels[variant] = {arch: {"object": target.as_posix(), "symbol": symbol}}
+    return kernels
 
 
 def _choices(table: DispatchTable, key: str, arch: str) -> dict[int, str]:

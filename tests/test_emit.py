@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kdagen.dispatch import PACKAGE_ROOT, TABLE_FILE, StaleTableError
-from kdagen.emit import emit
+from kdagen.emit import EmitError, emit
 from kdagen.variant import VariantError
 
 TABLE = PACKAGE_ROOT / "generated" / "nvidia-h200-sm90-132sm"
@@ -124,6 +124,14 @@ def test_emit_names_a_malformed_key(tmp_path: Path) -> None:
         pytest.skip("no committed H200 table")
     with pytest.raises(VariantError, match="contract key 'verify-h12-q4' ends early"):
         emit(TABLE, tmp_path, keys=["verify-h12-q4"])
+
+
+def test_emit_does_not_replace_a_folder_it_did_not_write(tmp_path: Path) -> None:
+    (tmp_path / "kda_kernels").mkdir()
+    (tmp_path / "kda_kernels" / "notes.txt").write_text("mine")
+    with pytest.raises(EmitError, match="is not a package kdagen emitted"):
+        emit(TABLE, tmp_path, keys=["verify-h12-q4-i32"])
+    assert (tmp_path / "kda_kernels" / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.gpu

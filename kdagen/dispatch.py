@@ -2,10 +2,12 @@
 
 ``generated/<fingerprint>/dispatch.json`` is written by ``kdagen tune`` and read by the
 run-time API through ``choose``. JSON rather than YAML so a deployed package needs no YAML
-parser. The table records the fingerprint, the nvidia-cutlass-dsl version and the template
-hash of each kernel it was made with; a table whose DSL version or template hash differs from
-the running code is refused (``StaleTableError``), never used: its winners were measured on
-other kernels.
+parser. The table records the fingerprint, the nvidia-cutlass-dsl version, the template hash
+of each kernel, and the variants its studies measured with a hash of what they render to
+(their sources and the device helpers). A table whose DSL version differs from the running
+code, or whose measured variants now render differently, is refused (``StaleTableError``),
+never used: its winners were measured on other kernels. A template edit that renders them
+identically keeps it. (A table without render hashes is judged on its template hash.)
 
 Lookup for (kernel, contract, batch): the exact key and bucket, else the nearest bucket of
 that key (log distance), else the per-GPU default of the kernel (the config that won the most
@@ -63,6 +65,10 @@ class DispatchTable:
     entries: dict[str, list[Entry]] = field(default_factory=dict)  # contract key -> by batch
     defaults: dict[str, list[Entry]] = field(default_factory=dict)  # kernel -> by batch
     device: dict[str, Any] = field(default_factory=dict)
+    # kernel -> every variant its studies measured, and the hash of what those compile from
+    # (kdagen.render.kernels_digest): what freshness is judged on when present.
+    measured: dict[str, list[str]] = field(default_factory=dict)
+    render_hashes: dict[str, str] = field(default_factory=dict)
 
     # ---- serialisation ----
     def to_json(self) -> str:
@@ -92,6 +98,8 @@ class DispatchTable:
             entries=entries(data.get("entries", {})),
             defaults=entries(data.get("defaults", {})),
             device=dict(data.get("device", {})),
+            measured={k: list(v) for k, v in data.get("measured", {}).items()},
+            render_hashes=dict(data.get("render_hashes", {})),
         )
 
     # ---- staleness and lookup ----
@@ -99,11 +107,22 @@ class DispatchTable:
         """Kernels with entries or a per-GPU default: the only ones the table can refuse."""
         return {key.split("-", 1)[0] for key in self.entries} | set(self.defaults)
 
-    def staleness(self, kernel: str, dsl_version: str, template_hash: str) -> str | None:
-        """Why this table must not be used for ``kernel`` with the running code (None: fresh)."""
+    def staleness(
+        self, kernel: str, dsl_version: str, template_hash: str, render_hash: str | None = None
+    ) -> str | None:
+        """Why this table must not be used for ``kernel`` with the running code (None: fresh).
+        ``render_hash``: ``kernels_digest`` of ``measured[kernel]`` now; where the table records
+        one it decides, else the template hash does (tables made before render hashes)."""
         changed = []
         made = self.template_hashes.get(kernel)
-        if made is None:
+        made_render = self.render_hashes.get(kernel)
+        if made_render is not None and render_hash is not None:
+            if made_render != render_hash:
+                changed.append(
+                    f"the {kernel} kernels it measured changed (table made with render hash "
+                    f"{made_render}, they now render to {render_hash})"
+                )
+        elif made is None:
             changed.append(f"it has no template hash for kernel {kernel!r}")
         elif made != template_hash:
             changed.append(
@@ -169,9 +188,15 @@ def check_fresh(table: DispatchTable, kernel: str, source: str) -> None:
                 f"Install nvidia-cutlass-dsl=={table.dsl_version} or re-run `kdagen emit`."
             )
         return
-    from kdagen.render import template_digest
+    from kdagen.render import kernels_digest, template_digest
 
-    why = table.staleness(kernel, dsl_version(), template_digest(kernel))
+    render_hash = None
+    if table.render_hashes.get(kernel) and table.measured.get(kernel):
+        try:
+            render_hash = kernels_digest(table.measured[kernel])
+        except VariantError as err:  # a measured variant no longer exists
+            render_hash = f"none ({err})"
+    why = table.staleness(kernel, dsl_version(), template_digest(kernel), render_hash)
     if why:
         raise StaleTableError(
             f"kdagen: refusing the dispatch table {source} for kernel {kernel!r}: {why}. "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import jinja2
@@ -65,6 +66,16 @@ def digest(variant: Variant) -> str:
     h.update(render(variant).encode())
     h.update(b"\0helpers\0" + helpers_source())
     h.update(b"\0nvidia-cutlass-dsl=" + dsl_version().encode())
+    return h.hexdigest()[:16]
+
+
+def kernels_digest(names: Iterable[str]) -> str:
+    """Hash of what a set of variants compiles from: each one's rendered source and the
+    device helpers they import. A dispatch table records it for the variants it measured, so
+    a template edit that renders those kernels identically leaves the table fresh."""
+    h = hashlib.sha256(b"helpers\0" + helpers_source())
+    for name in sorted(set(names)):
+        h.update(b"\0" + name.encode() + b"\0" + render(Variant.parse(name)).encode())
     return h.hexdigest()[:16]
 
 

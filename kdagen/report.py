@@ -29,6 +29,7 @@ from typing import Any
 import optuna
 
 from kdagen.dispatch import DispatchTable, Entry, write_table
+from kdagen.render import kernels_digest
 from kdagen.search import recorded
 
 
@@ -47,6 +48,7 @@ class StudyResult:
     wall_s: float
     efficiency: dict[str, Any] | None = None
     failure_kinds: dict[str, int] = field(default_factory=dict)
+    scored: list[str] = field(default_factory=list)  # every variant measured (or failed)
 
     @property
     def speedup(self) -> float | None:
@@ -65,7 +67,7 @@ def result_of(study: optuna.Study) -> StudyResult:
         workloads=list(attrs.get("workloads", [])), trials=len(scored),
         candidates=int(attrs.get("candidates", 0)), failures=failures,
         final=dict(attrs.get("final") or {}), wall_s=float(attrs.get("wall_s", 0.0)),
-        efficiency=attrs.get("efficiency"), failure_kinds=dict(kinds),
+        efficiency=attrs.get("efficiency"), failure_kinds=dict(kinds), scored=sorted(scored),
     )  # fmt: skip
 
 
@@ -90,6 +92,7 @@ def build_table(
         )  # fmt: skip
     defaults = gpu_defaults(results)
     covered = {r.kernel for r in results if r.key in entries} | set(defaults)
+    measured = measured_variants(results, covered)
     return DispatchTable(
         fingerprint=stamp["fingerprint"],
         dsl_version=stamp["dsl_version"],
@@ -98,7 +101,19 @@ def build_table(
         entries=dict(entries),
         defaults=defaults,
         device={k: v for k, v in device.items() if k != "fingerprint"},
+        measured=measured,
+        render_hashes={k: kernels_digest(names) for k, names in measured.items()},
     )
+
+
+def measured_variants(results: Sequence[StudyResult], kernels: set[str]) -> dict[str, list[str]]:
+    """Per kernel, every variant its studies scored: what the table's winners were chosen
+    among, so what its freshness depends on."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for r in results:
+        if r.kernel in kernels:
+            found[r.kernel].update(r.scored)
+    return {k: sorted(v) for k, v in sorted(found.items())}
 
 
 def gpu_defaults(results: Sequence[StudyResult]) -> dict[str, list[Entry]]:

@@ -20,7 +20,7 @@ from kdagen.dispatch import (
     write_table,
 )
 from kdagen.fingerprint import fingerprint_of, slug
-from kdagen.render import dsl_version, template_digest
+from kdagen.render import dsl_version, kernels_digest, template_digest
 from kdagen.variant import Variant
 
 GPU = "nvidia-h200-sm90-132sm"
@@ -191,3 +191,57 @@ def test_staleness_names_every_change() -> None:
     assert "no template hash for kernel 'other'" in (
         table.staleness("other", dsl_version(), "x") or ""
     )
+
+
+MEASURED = ["commit-h12-q8-i32-bulk-t128-v4-r4-pdl", "commit-h12-q8-i32-bulk-t256-v4-r1-pdl"]
+
+
+@pytest.fixture
+def append_to_commit_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Appends text to a copy of the commit template, in use until the test ends (the Jinja
+    environment and the renders are made again, as in a new process)."""
+    import shutil
+
+    from kdagen import render as render_module
+
+    def forget() -> None:
+        render_module.environment.cache_clear()
+        render_module.render.cache_clear()
+
+    copy = tmp_path / "templates"
+    shutil.copytree(render_module.TEMPLATE_DIR, copy)
+    monkeypatch.setattr(render_module, "TEMPLATE_DIR", copy)
+    forget()
+
+    def append(text: str) -> None:
+        path = copy / "commit" / "bulk.py.j2"
+        path.write_text(path.read_text() + text)
+        forget()
+
+    yield append
+    forget()
+
+
+def test_a_template_edit_that_renders_the_same_kernels_keeps_the_table(
+    fresh: Path, append_to_commit_template
+) -> None:
+    table = make_table(
+        measured={"commit": MEASURED}, render_hashes={"commit": kernels_digest(MEASURED)}
+    )
+    write_table(fresh, table)
+    template_before = template_digest("commit")
+    append_to_commit_template("{# a note, not rendered #}\n")
+    assert template_digest("commit") != template_before
+    assert pick(64)[0].tuning == R1  # still served: its kernels are the ones it measured
+
+
+def test_a_template_edit_that_changes_a_measured_kernel_makes_the_table_stale(
+    fresh: Path, append_to_commit_template
+) -> None:
+    table = make_table(
+        measured={"commit": MEASURED}, render_hashes={"commit": kernels_digest(MEASURED)}
+    )
+    write_table(fresh, table)
+    append_to_commit_template("# a rendered line\n")
+    with pytest.raises(StaleTableError, match="the commit kernels it measured changed"):
+        pick(64)

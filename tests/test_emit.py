@@ -113,9 +113,9 @@ def test_emit_refuses_a_stale_table(tmp_path: Path) -> None:
     stale = tmp_path / "table"
     shutil.copytree(TABLE, stale, ignore=shutil.ignore_patterns("plots", "*.db"))
     data = json.loads((stale / TABLE_FILE).read_text())
-    data["template_hashes"]["verify"] = "0" * 16
+    data["render_hashes"]["verify"] = "0" * 16
     (stale / TABLE_FILE).write_text(json.dumps(data))
-    with pytest.raises(StaleTableError, match="the verify templates changed"):
+    with pytest.raises(StaleTableError, match="the verify kernels it measured changed"):
         emit(stale, tmp_path / "out", keys=["verify-h12-q4-i32"])
 
 

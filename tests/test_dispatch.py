@@ -222,13 +222,17 @@ def append_to_commit_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     forget()
 
 
+def write_table_with_render_hashes(folder: Path) -> None:
+    measured = {"commit": MEASURED}
+    write_table(
+        folder, make_table(measured=measured, render_hashes={"commit": kernels_digest(MEASURED)})
+    )
+
+
 def test_a_template_edit_that_renders_the_same_kernels_keeps_the_table(
     fresh: Path, append_to_commit_template
 ) -> None:
-    table = make_table(
-        measured={"commit": MEASURED}, render_hashes={"commit": kernels_digest(MEASURED)}
-    )
-    write_table(fresh, table)
+    write_table_with_render_hashes(fresh)
     template_before = template_digest("commit")
     append_to_commit_template("{# a note, not rendered #}\n")
     assert template_digest("commit") != template_before
@@ -238,10 +242,7 @@ def test_a_template_edit_that_renders_the_same_kernels_keeps_the_table(
 def test_a_template_edit_that_changes_a_measured_kernel_makes_the_table_stale(
     fresh: Path, append_to_commit_template
 ) -> None:
-    table = make_table(
-        measured={"commit": MEASURED}, render_hashes={"commit": kernels_digest(MEASURED)}
-    )
-    write_table(fresh, table)
+    write_table_with_render_hashes(fresh)
     append_to_commit_template("# a rendered line\n")
     with pytest.raises(StaleTableError, match="the commit kernels it measured changed"):
         pick(64)

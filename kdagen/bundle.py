@@ -41,11 +41,11 @@ def held(variant_name: str, arch: str) -> tuple[Path, str]:
     package does not hold is a ``KdaInputError`` naming what it does hold."""
     found = manifest()["kernels"].get(variant_name, {}).get(arch)
     if found is None:
-        held = manifest()
+        package = manifest()
         raise KdaInputError(
             f"{variant_name} for {arch} is not in this package: it holds "
-            f"{len(held['kernels'])} kernels for {held['arch']} on {held['fingerprint']} "
-            f"(contract keys {', '.join(held['keys'])}). Re-run `kdagen emit` with this "
+            f"{len(package['kernels'])} kernels for {package['arch']} on {package['fingerprint']} "
+            f"(contract keys {', '.join(package['keys'])}). Re-run `kdagen emit` with this "
             "contract key (--key), on a table for this GPU."
         )
     return KERNELS / found["object"], found["symbol"]

@@ -3,8 +3,8 @@
 ``generated/<fingerprint>/dispatch.json`` is written by ``kdagen tune`` and read by the
 run-time API through ``choose``. JSON rather than YAML so a deployed package needs no YAML
 parser. The table records the fingerprint, the nvidia-cutlass-dsl version, the template hash
-of each kernel, and the variants its studies measured with a hash of what they render to
-(their sources and the device helpers). A table whose DSL version differs from the running
+of each kernel, and the variants its studies measured with a hash of their content digests
+(rendered source, device helpers, DSL version: ``kdagen.render.digest``). A table whose DSL version differs from the running
 code, or whose measured variants now render differently, is refused (``StaleTableError``),
 never used: its winners were measured on other kernels. A template edit that renders them
 identically keeps it. (A table without render hashes is judged on its template hash.)

@@ -70,12 +70,12 @@ def digest(variant: Variant) -> str:
 
 
 def kernels_digest(names: Iterable[str]) -> str:
-    """Hash of what a set of variants compiles from: each one's rendered source and the
-    device helpers they import. A dispatch table records it for the variants it measured, so
-    a template edit that renders those kernels identically leaves the table fresh."""
-    h = hashlib.sha256(b"helpers\0" + helpers_source())
+    """Hash of the content digests (``digest``) of a set of variants. A dispatch table records
+    it for the variants it measured, so a template edit that renders those kernels
+    identically leaves the table fresh."""
+    h = hashlib.sha256()
     for name in sorted(set(names)):
-        h.update(b"\0" + name.encode() + b"\0" + render(Variant.parse(name)).encode())
+        h.update(f"{name}\0{digest(Variant.parse(name))}\n".encode())
     return h.hexdigest()[:16]
 
 

@@ -150,8 +150,7 @@ def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) 
     print("  states ready per us: " + " ".join(str(b) for b in bins))
 
 
-PROLOGUE_LOAD = """        if warp == 0:
-            first_slot = Int64(slots[cta // H])
+PROLOGUE_LOAD = """        if warp == 0:  # noqa: SIM102 (traced: `and` does not combine traced values)
             if first_slot > Int64(null_slot):
 """
 
@@ -164,7 +163,7 @@ def first_state_after_inputs(source: str, guard: str = "") -> str:
     end = source.index(")  # fmt: skip\n", head) + len(")  # fmt: skip\n")
     block = source[head:end]
     late = block.replace("if warp == 0:", f"if (warp == 0){' & (' + guard + ')' if guard else ''}:")
-    late = late.replace("first_slot = Int64(slots[cta // H])", "first_slot = slot")
+    late = late.replace("first_slot", "slot")
     early = block.replace("if warp == 0:", f"if (warp == 0) & ~({guard}):") if guard else ""
     source = source[:head] + early + source[end:]
     anchor = source.index("self.load_activations(", source.index("ticket = Int32(0)"))
@@ -172,10 +171,81 @@ def first_state_after_inputs(source: str, guard: str = "") -> str:
     return source[:anchor] + late + source[anchor:]
 
 
+PREFETCH_METHOD = '''
+    @cute.jit
+    def prefetch_state(self, tma_atom, tma_tensor, s_state, slot, head):
+        """Warp-wide: an L2 prefetch of state (slot, head) through the TMA descriptor."""
+        g_state = cute.local_tile(tma_tensor, (ROWS, K), ((Int32(slot) * H + head) * (K // ROWS), 0))
+        _, t_gmem = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(s_state, 0, 2), cute.group_modes(g_state, 0, 2),
+        )
+        cute.prefetch(tma_atom, t_gmem)
+'''
+
+
+def prefetch_after(source: str) -> str:
+    """Experiment: at the end of each unit, an L2 prefetch of the state of the unit after
+    next (its TMA load is issued a unit later), so the state stream runs a unit deeper."""
+    anchor = "    @cute.jit\n    def unit_meta("
+    source = source.replace(anchor, PREFETCH_METHOD.lstrip("\n") + "\n" + anchor)
+    lines = source.split("\n")
+    at = next(i for i, line in enumerate(lines) if "unit, nxt = nxt, after" in line)
+    lines[at:at] = [
+        "            if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)",
+        "                if (after < units) & (after_slot > Int64(null_slot)):",
+        "                    self.prefetch_state(tma_atom, tma_tensor, s_state, after_slot, after % H)",
+    ]
+    return "\n".join(lines)
+
+
+def prefetch_second_wave(source: str) -> str:
+    """Experiment: ``prefetch_after``, and in the prologue each CTA prefetches the state of
+    unit cta + ctas: the second wave (tickets hand out units ctas..2 ctas - 1 first)."""
+    source = prefetch_after(source)
+    return _insert(
+        source,
+        "cute.arch.griddepcontrol_wait()",
+        (
+            "        if tid == 32:  # noqa: SIM102\n"
+            "            if cta + ctas < units:\n"
+            "                wave2_slot = Int64(slots[(cta + ctas) // H])\n"
+            "                if wave2_slot > Int64(null_slot):\n"
+            "                    self.prefetch_state(\n"
+            "                        tma_atom, tma_tensor, s_state, wave2_slot, (cta + ctas) % H\n"
+            "                    )"
+        ),
+        after=False,
+    )
+
+
+def without_input_prefetch(source: str) -> str:
+    """v7's prologue: no L2 prefetch of the first units' inputs before griddepcontrol.wait."""
+    call = (
+        "        if units <= ctas:\n"
+        "            self.prefetch_first_inputs(tensors, first_slot, null_slot)\n"
+    )
+    if call not in source:
+        raise SystemExit("trace: the rendered source has no input prefetch to remove")
+    return source.replace(call, "")
+
+
+def input_prefetch_always(source: str) -> str:
+    """v8's input prefetch at every batch, not only in one-wave launches."""
+    guard = "        if units <= ctas:\n            self.prefetch_first_inputs("
+    if guard not in source:
+        raise SystemExit("trace: the rendered source has no guarded input prefetch")
+    return source.replace(guard, "        if True:\n            self.prefetch_first_inputs(")
+
+
 CONFIGS = {
     "prologue": lambda s: s,
+    "no-prefetch": without_input_prefetch,
+    "prefetch-always": input_prefetch_always,
     "after-inputs": first_state_after_inputs,
     "staggered": lambda s: first_state_after_inputs(s, "cta >= 132"),
+    "pf-after": prefetch_after,
+    "pf-wave2": prefetch_second_wave,
 }
 
 

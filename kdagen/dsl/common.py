@@ -41,6 +41,23 @@ def at(tensor: cute.Tensor, *coords) -> Int64:
 
 
 @cute.jit
+def prefetch_l2(address: Int64, size: cutlass.Constexpr[int]):
+    """Fetch ``size`` bytes at ``address`` (both multiples of 16) into L2, asynchronously.
+    No value reaches the thread, so it may run before ``griddepcontrol.wait``: L2 is the
+    point of coherence, and an upstream kernel's later write updates the fetched line."""
+    cute.arch.inline_ptx(
+        f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {size};", read_only_args=[address]
+    )
+
+
+@cute.jit
+def prefetch_l2_line(address: Int64):
+    """Fetch the 128-byte line holding ``address`` into L2 (no alignment needed; as
+    ``prefetch_l2``, safe before ``griddepcontrol.wait``)."""
+    cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[address])
+
+
+@cute.jit
 def load_words(address: Int64, count: cutlass.Constexpr[int] = 2) -> list:
     """``count`` (2 or 4) consecutive 32-bit words from global memory in one vector load."""
     words = cute.arch.inline_ptx(

@@ -1,10 +1,13 @@
 """The Optuna storage of a tuning run: stamps, staleness, resume, one tuner per folder.
 
-Each study records what its results depend on besides its candidates (GPU fingerprint, DSL
-version, template hash of its kernel) and a hash of its candidate list. Resuming a study
-whose stamp or candidates changed would mix measurements of different kernels: refused.
-Trials a killed run left RUNNING are marked FAIL on resume (TPE ignores FAIL trials), so
-their candidates are asked again and scored properly.
+Each study records what its results depend on: the GPU fingerprint, the DSL version, its
+candidates (their names and a hash of them) and a hash of their rendered kernels
+(``kdagen.render.kernels_digest``; studies of older runs have only their kernel's template
+hash). A run resumes the studies whose kernels are unchanged and starts again those whose
+kernels or candidates changed: after a template edit only the affected studies are measured
+again, and no study mixes measurements of two kernels. A study measured on another GPU is
+refused. Trials a killed run left RUNNING are marked FAIL on resume (TPE ignores FAIL
+trials), so their candidates are asked again and scored properly.
 """
 
 from __future__ import annotations
@@ -21,16 +24,17 @@ from optuna.trial import TrialState
 
 
 class TuneError(RuntimeError):
-    """The run cannot start or go on (stale storage, no GPU worker); the message says why."""
+    """The run cannot start or go on (a storage of another GPU, no GPU worker); the message
+    says why."""
 
 
 @dataclass(frozen=True)
 class Stamp:
-    """What a study's results depend on besides the candidates: refused when it changes."""
+    """What a run's studies depend on besides their candidates."""
 
     fingerprint: str
     dsl_version: str
-    template_hashes: dict[str, str]
+    template_hashes: dict[str, str]  # per kernel: the tables and the report record them
 
     def attrs(self, kernel: str) -> dict[str, str]:
         return {
@@ -43,20 +47,55 @@ class Stamp:
         return {"fingerprint": self.fingerprint, "dsl_version": self.dsl_version,
                 "template_hashes": dict(self.template_hashes)}  # fmt: skip
 
-    def mismatch(self, attrs: dict[str, Any]) -> str | None:
-        kernel = attrs.get("kernel")
-        if kernel not in self.template_hashes:
-            return None
-        want = self.attrs(kernel)
-        bad = [f"{k} {attrs.get(k)!r} (now {v!r})" for k, v in want.items() if attrs.get(k) != v]
-        return ", ".join(bad) or None
-
 
 def make_stamp(fingerprint: str, kernels: Sequence[str]) -> Stamp:
     from kdagen.fingerprint import dsl_version
     from kdagen.render import template_digest
 
     return Stamp(fingerprint, dsl_version(), {k: template_digest(k) for k in sorted(set(kernels))})
+
+
+def candidate_attrs(names: Sequence[str]) -> dict[str, Any]:
+    """A study's candidates as its user attributes: their names and their kernels' hash."""
+    from kdagen.render import kernels_digest
+
+    return {"candidate_names": sorted(names), "render_hash": kernels_digest(names)}
+
+
+def staleness(attrs: dict[str, Any], stamp: Stamp) -> str | None:
+    """Why a stored study's measurements are not of the kernels this run builds (None: they
+    are). Judged on its candidates' renders where it recorded them, else on its template hash.
+    A study of another GPU is not stale but foreign (``foreign``)."""
+    from kdagen.render import kernels_digest
+
+    kernel = attrs.get("kernel")
+    if kernel not in stamp.template_hashes:
+        return None
+    bad = []
+    if attrs.get("dsl_version") != stamp.dsl_version:
+        bad.append(f"dsl_version {attrs.get('dsl_version')!r} (now {stamp.dsl_version!r})")
+    names = attrs.get("candidate_names")
+    if names and attrs.get("render_hash"):
+        try:
+            now = kernels_digest(names)
+        except Exception as err:  # a candidate that no longer parses or renders
+            now = f"none ({type(err).__name__}: {err})"
+        if now != attrs["render_hash"]:
+            bad.append(f"its kernels render differently (render_hash {attrs['render_hash']!r}, "
+                       f"now {now!r})")  # fmt: skip
+    elif attrs.get("template_hash") != stamp.template_hashes[kernel]:
+        bad.append(f"template_hash {attrs.get('template_hash')!r} "
+                   f"(now {stamp.template_hashes[kernel]!r})")  # fmt: skip
+    return ", ".join(bad) or None
+
+
+def foreign(attrs: dict[str, Any], stamp: Stamp) -> str | None:
+    """A study measured on another GPU (fingerprint) than this run's, or None."""
+    if attrs.get("kernel") not in stamp.template_hashes:
+        return None
+    if attrs.get("fingerprint") != stamp.fingerprint:
+        return f"fingerprint {attrs.get('fingerprint')!r} (now {stamp.fingerprint!r})"
+    return None
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
@@ -66,39 +105,47 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
 
 def fresh_studies(storage: optuna.storages.BaseStorage, stamp: Stamp) -> list[optuna.Study]:
-    """Studies of this storage made with the current templates, DSL and GPU."""
+    """Studies of this storage measured on this GPU with the kernels this run builds."""
     out = []
     for frozen in storage.get_all_studies():
         attrs = frozen.user_attrs
-        if (
-            "kernel" in attrs
-            and attrs.get("kernel") in stamp.template_hashes
-            and not stamp.mismatch(attrs)
-        ):
+        mine = "kernel" in attrs and attrs["kernel"] in stamp.template_hashes
+        if mine and not foreign(attrs, stamp) and not staleness(attrs, stamp):
             out.append(optuna.load_study(study_name=frozen.study_name, storage=storage))
     return out
 
 
-def refuse_stale(
+def restart_stale(
     storage: optuna.storages.BaseStorage, planned: dict[str, str], stamp: Stamp
-) -> None:
-    """Resuming a study made with other templates, DSL or candidates would mix kernels.
-    ``planned``: study name -> the hash of its candidates now."""
-    bad = []
+) -> list[str]:
+    """Delete the planned studies whose kernels or candidates changed, so this run measures
+    them again from scratch; refuse (``TuneError``) a storage whose planned studies were
+    measured on another GPU. ``planned``: study name -> the hash of its candidates now.
+    Returns "name: why" per deleted study."""
+    foreign_studies, stale = [], {}
     for frozen in storage.get_all_studies():
         if frozen.study_name not in planned:
             continue
-        why = stamp.mismatch(frozen.user_attrs)
-        if frozen.user_attrs.get("space") not in (None, planned[frozen.study_name]):
+        attrs = frozen.user_attrs
+        if why := foreign(attrs, stamp):
+            foreign_studies.append(f"{frozen.study_name}: {why}")
+            continue
+        why = staleness(attrs, stamp)
+        if attrs.get("space") not in (None, planned[frozen.study_name]):
             why = (why + ", " if why else "") + "the candidates (search space) changed"
         if why:
-            bad.append(f"{frozen.study_name}: {why}")
-    if bad:
-        listed = "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
+            stale[frozen.study_name] = why
+    if foreign_studies:
+        listed = "; ".join(foreign_studies[:4])
+        more = len(foreign_studies) - 4
         raise TuneError(
-            f"the storage holds studies made with other kernels or candidates ({listed}). "
-            "Refusing to resume them: use another --out/--storage, or delete the old studies.db."
+            f"the storage holds studies measured on another GPU ({listed}"
+            f"{f'; and {more} more' if more > 0 else ''}). Refusing to mix them: use another "
+            "--out/--storage for this GPU."
         )
+    for name in stale:
+        optuna.delete_study(study_name=name, storage=storage)
+    return [f"{name}: {why}" for name, why in stale.items()]
 
 
 def fail_interrupted(storage: optuna.storages.BaseStorage, study: optuna.Study) -> int:

@@ -52,12 +52,13 @@ from kdagen.space import DEFAULT_SPACES, Space, load_workloads
 from kdagen.studies import (
     Stamp,
     TuneError,
+    candidate_attrs,
     fail_interrupted,
     folder_lock,
     fresh_studies,
     make_stamp,
     open_storage,
-    refuse_stale,
+    restart_stale,
 )
 from kdagen.variant import PATHS, Variant
 from kdagen.worker import PoolCompiler, Worker, WorkerFailure
@@ -222,9 +223,13 @@ def _run(
     with folder_lock(folder):
         storage = open_storage(storage_url)
         stamp = make_stamp(device["fingerprint"], list(PATHS))  # every kernel: see fresh_studies
-        refuse_stale(
+        restarted = restart_stale(
             storage, {p.study_name(b): p.space_hash for p in plans for b in p.batches}, stamp
         )
+        if restarted:
+            more = f"; and {len(restarted) - 3} more" if len(restarted) > 3 else ""
+            echo(f"starting again {len(restarted)} stud{'y' if len(restarted) == 1 else 'ies'} "
+                 f"whose kernels or candidates changed: {'; '.join(restarted[:3])}{more}")  # fmt: skip
         ledger = Ledger()
         for study in fresh_studies(storage, stamp):
             ledger.add_study(study)
@@ -288,6 +293,7 @@ def run_study(
 def _stamp_study(study: optuna.Study, plan: StudyPlan, batch: int, stamp: Stamp) -> None:
     attrs = {"kernel": plan.kernel, "key": plan.key, "batch": batch, "space": plan.space_hash,
              "candidates": len(plan.candidates)} | stamp.attrs(plan.kernel)  # fmt: skip
+    attrs |= candidate_attrs([v.name for v in plan.candidates])
     attrs["workloads"] = sorted(set(study.user_attrs.get("workloads", [])) | set(plan.workloads))
     for key, value in attrs.items():
         if study.user_attrs.get(key) != value:

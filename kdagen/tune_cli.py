@@ -48,7 +48,8 @@ def tune(
     ),
 ) -> None:
     """Tune: an Optuna study per (contract key, batch bucket); dispatch table, winners and
-    report.md in <out>/<gpu-fingerprint>/. A killed run resumes where it stopped."""
+    report.md in <out>/<gpu-fingerprint>/. A killed run resumes where it stopped; after a
+    template edit only the studies whose kernels render differently are measured again."""
     if exhaustive and trials is not None:
         raise typer.BadParameter("give --trials N or --exhaustive, not both")
     if not simulate:

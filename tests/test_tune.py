@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from kdagen import dispatch
+from kdagen import render as krender
 from kdagen.check import CaseResult
 from kdagen.cli import app
 from kdagen.compile import variant_dir
@@ -28,7 +29,14 @@ from kdagen.search import (
     replay_efficiency,
 )
 from kdagen.space import Space
-from kdagen.studies import Stamp, TuneError, open_storage, refuse_stale
+from kdagen.studies import (
+    Stamp,
+    TuneError,
+    candidate_attrs,
+    fresh_studies,
+    open_storage,
+    restart_stale,
+)
 from kdagen.tune import TuneOptions, plan_studies, run
 from kdagen.variant import Variant
 from kdagen.worker import PoolCompiler, Worker, WorkerFailure, describe_check
@@ -289,18 +297,70 @@ def test_a_killed_run_resumes_without_redoing_trials(tmp_path: Path, workloads: 
     assert study.user_attrs["final"]["scored"] == 7  # finals re-run on the larger set
 
 
-def test_storage_of_other_templates_is_refused(tmp_path: Path) -> None:
+def test_stale_studies_start_again_and_other_gpus_are_refused(tmp_path: Path) -> None:
     storage = open_storage(f"sqlite:///{tmp_path / 'studies.db'}")
-    study = optuna.create_study(study_name=f"{KEY}/b1", storage=storage)
-    for key, value in {"kernel": "commit", "fingerprint": "gpu", "dsl_version": "4.8.1",
-                       "template_hash": "old", "space": "abc"}.items():  # fmt: skip
-        study.set_user_attr(key, value)
-    stamp = Stamp("gpu", "4.8.1", {"commit": "new"})
-    with pytest.raises(TuneError, match="template_hash 'old' \\(now 'new'\\)"):
-        refuse_stale(storage, {f"{KEY}/b1": "abc"}, stamp)
-    with pytest.raises(TuneError, match="search space\\) changed"):
-        refuse_stale(storage, {f"{KEY}/b1": "xyz"}, Stamp("gpu", "4.8.1", {"commit": "old"}))
-    refuse_stale(storage, {f"{KEY}/b1": "abc"}, Stamp("gpu", "4.8.1", {"commit": "old"}))
+    names = [v.name for v in candidates()]
+
+    def stored(batch: int, **attrs: object) -> None:
+        study = optuna.create_study(study_name=f"{KEY}/b{batch}", storage=storage)
+        base = {"kernel": "commit", "fingerprint": "gpu", "dsl_version": "4.8.1",
+                "template_hash": "t", "space": "abc"}  # fmt: skip
+        for key, value in (base | attrs).items():
+            study.set_user_attr(key, value)
+
+    stamp = Stamp("gpu", "4.8.1", {"commit": "t"})
+    stored(1)  # an older run's study: judged on its template hash, which still holds
+    stored(2, template_hash="old")
+    stored(3, space="xyz")
+    stored(4, template_hash="old", **candidate_attrs(names))  # the edit left its renders alone
+    stored(5, **candidate_attrs(names) | {"render_hash": "0" * 16})
+    planned = {f"{KEY}/b{b}": "abc" for b in range(1, 6)}
+    restarted = restart_stale(storage, planned, stamp)
+    assert [r.split(":")[0] for r in restarted] == [f"{KEY}/b2", f"{KEY}/b3", f"{KEY}/b5"]
+    assert "template_hash 'old' (now 't')" in restarted[0]
+    assert "the candidates (search space) changed" in restarted[1]
+    assert "its kernels render differently" in restarted[2]
+    kept = {f"{KEY}/b1", f"{KEY}/b4"}
+    assert {s.study_name for s in storage.get_all_studies()} == kept
+    assert {s.study_name for s in fresh_studies(storage, stamp)} == kept
+    stored(6, fingerprint="other-gpu")
+    with pytest.raises(TuneError, match=f"another GPU \\({KEY}/b6: fingerprint 'other-gpu'"):
+        restart_stale(storage, planned | {f"{KEY}/b6": "abc"}, stamp)
+
+
+def test_a_template_edit_measures_again_only_the_studies_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n"
+                    "  - {name: q2, heads: 12, window: 2, batches: [1]}\n")  # fmt: skip
+    opts = options(tmp_path, path, simulate={}, match="i32", trials=3)
+    run(opts, lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+
+    def trials() -> dict[str, list[tuple[int, object]]]:
+        return {name: [(t.number, t.datetime_start) for t in study.get_trials()]
+                for name, study in studies_of(folder).items()}  # fmt: skip
+
+    before = trials()
+    assert set(before) == {"commit-h12-q1-i32/b1", "commit-h12-q2-i32/b1"}
+    original = krender.render
+    monkeypatch.setattr(  # an edit that renders the Q = 2 kernels differently, and only them
+        krender, "render", lambda v: original(v) + ("# edited\n" if v.window == 2 else "")
+    )
+    said: list[str] = []
+    run(opts, said.append, fixed_default)
+    after = trials()
+    assert after["commit-h12-q1-i32/b1"] == before["commit-h12-q1-i32/b1"]  # resumed, kept
+    assert len(after["commit-h12-q2-i32/b1"]) == len(before["commit-h12-q2-i32/b1"])
+    assert min(t for _, t in after["commit-h12-q2-i32/b1"]) > max(
+        t for _, t in before["commit-h12-q2-i32/b1"]
+    )  # measured again from scratch
+    assert any("starting again 1 study whose kernels or candidates changed: "
+               "commit-h12-q2-i32/b1: its kernels render differently" in s for s in said)  # fmt: skip
+    table = dispatch.load_table(folder)
+    assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
+                           krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
 
 
 def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -> None:

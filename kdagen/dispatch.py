@@ -11,8 +11,10 @@ identically keeps it. (A table without render hashes is judged on its template h
 
 Lookup for (kernel, contract, batch): the exact key and bucket, else the nearest bucket of
 that key (log distance), else the per-GPU default of the kernel (the config that won the most
-studies at the nearest bucket), else the caller's built-in heuristic. Each fallback warns once
-per (contract key, reason). Results are cached per process: after the first call for a
+studies at the nearest bucket), else the caller's built-in heuristic. The choice then stays
+inside the search space the table was tuned from (``space``: what `kdagen check` verified): a
+default or heuristic config the space lacks for that key becomes the key's nearest point in
+it. Each fallback warns once per (contract key, reason). Results are cached per process: after the first call for a
 (contract, batch) a launch does no file I/O.
 """
 
@@ -69,6 +71,9 @@ class DispatchTable:
     # (kdagen.render.kernels_digest): what freshness is judged on when present.
     measured: dict[str, list[str]] = field(default_factory=dict)
     render_hashes: dict[str, str] = field(default_factory=dict)
+    # kernel -> contract key -> every variant of the search spaces the table was tuned from
+    # for this GPU's arch: what `kdagen check` verifies, so the lookup stays inside it.
+    space: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     # ---- serialisation ----
     def to_json(self) -> str:
@@ -100,6 +105,10 @@ class DispatchTable:
             device=dict(data.get("device", {})),
             measured={k: list(v) for k, v in data.get("measured", {}).items()},
             render_hashes=dict(data.get("render_hashes", {})),
+            space={
+                kernel: {key: list(names) for key, names in keys.items()}
+                for kernel, keys in data.get("space", {}).items()
+            },
         )
 
     # ---- staleness and lookup ----
@@ -292,8 +301,38 @@ def _choose(kernel: str, batch: int, heuristic: Callable[[], Variant], device: A
 
 def resolve(table: DispatchTable, kernel: str, base: Variant, batch: int) -> Variant:
     """Apply the table's entry for ``base``'s contract key at ``batch``; fall back to ``base``
-    (the heuristic) when there is none or it does not fit this contract. Warns once per
-    (key, reason) on every fallback."""
+    (the heuristic) when there is none or it does not fit this contract; then keep the choice
+    inside the table's search space (``inside_space``). Warns once per (key, reason) on every
+    fallback."""
+    return inside_space(table, kernel, _table_choice(table, kernel, base, batch))
+
+
+def inside_space(table: DispatchTable, kernel: str, chosen: Variant) -> Variant:
+    """``chosen``, or where the table's search space holds other variants of its contract key
+    but not it (a per-GPU default or the heuristic applied to an untuned key), the one of
+    those sharing the most tuning fields with it (ties: the first by name): what runs was
+    verified by `kdagen check` on this GPU's space. Tables without a space keep ``chosen``."""
+    key = chosen.contract_key
+    points = table.space.get(kernel, {}).get(key)
+    if not points or chosen.name in points:
+        return chosen
+    wanted = chosen.tuning
+
+    def shared(name: str) -> int:
+        tuning = Variant.parse(name).tuning
+        return sum(tuning.get(f) == value for f, value in wanted.items())
+
+    inside = Variant.parse(min(sorted(points), key=lambda n: -shared(n)))
+    _warn_once(
+        key, "space",
+        f"{key}: {chosen.name} is outside the search space the table was tuned and checked "
+        f"with on {table.fingerprint}; using {inside.name}",
+    )  # fmt: skip
+    return inside
+
+
+def _table_choice(table: DispatchTable, kernel: str, base: Variant, batch: int) -> Variant:
+    """The table's entry applied to ``base``, or ``base`` where it has none that fits."""
     key = base.contract_key
     entry, how = table.lookup(kernel, key, batch)
     if entry is None:

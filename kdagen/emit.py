@@ -11,8 +11,9 @@ never compiles: it holds
 
 Which variants: for each key and each batch bucket the table has for it, the variant the
 run-time's own lookup picks (``dispatch.resolve`` over the built-in heuristic), so any batch
-resolves to a held kernel: between buckets the lookup takes the nearest one. A stale table is
-refused, as at run time.
+resolves to a held kernel: between buckets the lookup takes the nearest one, and it stays
+inside the table's search space. A stale table is refused, as at run time, and so is a key
+the space does not hold (no variant of it was checked on the GPU).
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ def _choices(table: DispatchTable, key: str, arch: str) -> dict[int, str]:
 
     contract = parse_contract_key(key)
     kernel = contract.pop("kernel")
+    if table.space.get(kernel) and key not in table.space[kernel]:
+        raise EmitError(
+            f"{key} is not in the search space the table was tuned from, so no variant of it was "
+            "checked on this GPU; add it to the space, run `kdagen check` and `kdagen tune`"
+        )
     rows = table.entries.get(key) or table.defaults.get(kernel)
     if not rows:
         raise EmitError(f"the table has no entry for {key} and no per-GPU default for {kernel}")

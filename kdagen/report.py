@@ -75,8 +75,13 @@ def result_of(study: optuna.Study) -> StudyResult:
 
 
 def build_table(
-    results: Sequence[StudyResult], stamp: dict[str, Any], device: dict[str, Any]
+    results: Sequence[StudyResult],
+    stamp: dict[str, Any],
+    device: dict[str, Any],
+    space: dict[str, dict[str, list[str]]] | None = None,
 ) -> DispatchTable:
+    """The dispatch table of ``results``; ``space``: kernel -> contract key -> every variant of
+    the search spaces tuned from (the lookup stays inside it)."""
     entries: dict[str, list[Entry]] = defaultdict(list)
     for r in sorted(results, key=lambda r: (r.key, r.batch)):
         f = r.final
@@ -103,6 +108,7 @@ def build_table(
         device={k: v for k, v in device.items() if k != "fingerprint"},
         measured=measured,
         render_hashes={k: kernels_digest(names) for k, names in measured.items()},
+        space={k: v for k, v in (space or {}).items() if k in covered},
     )
 
 
@@ -334,9 +340,10 @@ def write_all(
     device: dict[str, Any],
     wall_s: float,
     options: dict[str, Any],
+    space: dict[str, dict[str, list[str]]] | None = None,
 ) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    write_table(folder, build_table(results, stamp, device))
+    write_table(folder, build_table(results, stamp, device, space))
     (folder / "winners.json").write_text(json.dumps(winners(results), indent=1) + "\n")
     runs = append_run(folder, wall_s, options)
     for key in sorted({r.key for r in results}):

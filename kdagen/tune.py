@@ -146,6 +146,18 @@ def plan_studies(
     return plans, notes
 
 
+def space_points(spaces: Sequence[str], arch: str) -> dict[str, dict[str, list[str]]]:
+    """Kernel -> contract key -> every variant of ``spaces`` for ``arch``: the points
+    `kdagen check` verifies, which the dispatch table keeps its lookup inside."""
+    points: dict[str, dict[str, list[str]]] = {}
+    for space_name in spaces:
+        for v in Space.load(space_name).expand().variants:
+            if arch in v.spec.archs:
+                points.setdefault(v.kernel, {}).setdefault(v.contract_key, []).append(v.name)
+    return {k: {key: sorted(names) for key, names in sorted(keys.items())}
+            for k, keys in sorted(points.items())}  # fmt: skip
+
+
 def _fits(variant: Variant, contract: dict[str, Any]) -> bool:
     ignored = IGNORED_BY_KERNEL.get(variant.kernel, ())
     return all(getattr(variant, k) == v for k, v in contract.items() if k not in ignored)
@@ -241,7 +253,8 @@ def _run(
                 run_study(ev, storage, plan, batch, stamp, options, default_for)
         wall = time.time() - started
         results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
-        report.write_all(folder, results, stamp.as_dict(), device, wall, _jsonable(options))
+        report.write_all(folder, results, stamp.as_dict(), device, wall, _jsonable(options),
+                         space_points(options.spaces, device["arch"]))  # fmt: skip
     return TuneResult(folder, results, notes, wall, bool(device.get("simulated")))
 
 

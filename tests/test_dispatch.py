@@ -128,6 +128,34 @@ def test_entry_that_does_not_fit_the_contract_falls_back_to_the_heuristic(fresh:
     assert len(warned) == 1 and "does not fit" in warned[0]
 
 
+def test_the_lookup_stays_inside_the_tables_search_space(fresh: Path) -> None:
+    """An untuned key gets the per-GPU default, or the heuristic, only where the space the
+    table was tuned and checked with holds that variant; else its nearest point there."""
+    untuned = "commit-h32-q4-i32"
+    points = [f"{untuned}-bulk-t128-v4-r4-pdl", f"{untuned}-bulk-t256-v8-r1-pdl"]
+    space = {"commit": {untuned: points, "commit-h12-q8-i32": [
+        Variant(kernel="commit", heads=12, window=8, slot_dtype="int32", **t).name
+        for t in (R4, R1, T256_V8)]}}  # fmt: skip
+    write_table(fresh, make_table(space=space))
+
+    chosen, warned = pick(2, heads=32, window=4)  # the default at bucket 1 (R4) is inside
+    assert chosen.name == points[0] and ["per-GPU default" in w for w in warned] == [True]
+    chosen, warned = pick(200, heads=32, window=4)  # R2 at bucket 256 is not: nearest inside
+    assert chosen.name == points[0]  # shares path, threads, vec and pdl with R2
+    assert len(warned) == 1 and "outside the search space" in warned[0]
+    assert "using commit-h32-q4-i32-bulk-t128-v4-r4-pdl" in warned[0]
+    chosen, warned = pick(64)  # a tuned entry lies inside its own space: untouched
+    assert chosen.tuning == R1 and warned == []
+
+    write_table(fresh, make_table(space=space, defaults={}))
+    dispatch.reset()
+    chosen, warned = pick(16, heads=32, window=4)  # no default: the heuristic, moved inside
+    assert chosen.name == points[1]  # t128-v8-r1 shares vec, row_split and pdl with t256-v8-r1
+    assert any("outside the search space" in w for w in warned)
+    chosen, warned = pick(16, heads=96)  # a key the space does not hold: the heuristic
+    assert chosen == heuristic(heads=96)
+
+
 def test_no_table_for_this_gpu_uses_the_heuristic_and_warns_once() -> None:
     chosen, warned = pick(16)
     assert chosen == heuristic() and len(warned) == 1 and "no dispatch table" in warned[0]

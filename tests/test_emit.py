@@ -9,12 +9,19 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from kdagen.dispatch import PACKAGE_ROOT, TABLE_FILE, StaleTableError
+from kdagen.dispatch import (
+    PACKAGE_ROOT,
+    TABLE_FILE,
+    DispatchFallbackWarning,
+    StaleTableError,
+    load_table,
+)
 from kdagen.emit import EmitError, emit
 from kdagen.variant import VariantError
 
@@ -124,6 +131,23 @@ def test_emit_names_a_malformed_key(tmp_path: Path) -> None:
         pytest.skip("no committed H200 table")
     with pytest.raises(VariantError, match="contract key 'verify-h12-q4' ends early"):
         emit(TABLE, tmp_path, keys=["verify-h12-q4"])
+
+
+def test_an_untuned_key_gets_only_checked_variants(tmp_path: Path) -> None:
+    """The per-GPU default at bucket 512 (ctas 528) is outside the space for this key (it
+    spills): the package holds the key's checked point instead, and no key the space lacks."""
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    key = "verify-h12-q7-conv-tm-bf16-i32"
+    table = load_table(TABLE)
+    assert table is not None and key not in table.entries
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DispatchFallbackWarning)
+        emitted = emit(TABLE, tmp_path, keys=[key], jobs=2)
+    assert set(emitted.choices[key].values()) == {f"{key}-sm90_wgmma-t128-r1-c396-s1-pdl"}
+    assert set(emitted.choices[key].values()) <= set(table.space["verify"][key])
+    with pytest.raises(EmitError, match="verify-h64-q8-i32 is not in the search space"):
+        emit(TABLE, tmp_path / "other", keys=["verify-h64-q8-i32"])
 
 
 def test_emit_does_not_replace_a_folder_it_did_not_write(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from kdagen.dispatch import check_fresh, load_table
 from kdagen.space import Space
-from kdagen.tune import plan_studies
+from kdagen.tune import plan_studies, space_points
 
 GENERATED = Path(__file__).resolve().parents[1] / "generated"
 TABLES = sorted(p.parent for p in GENERATED.glob("*/dispatch.json"))
@@ -46,3 +46,13 @@ def test_table_covers_the_shipped_workloads_with_shipped_variants(folder: Path) 
             chosen = plan.candidates[0].replace(**entry.tuning)
             assert chosen.name in shipped, (plan.key, entry.batch, chosen.name)
             assert chosen.name == entry.variant
+
+
+@pytest.mark.parametrize("folder", TABLES, ids=[p.name for p in TABLES])
+def test_table_records_the_shipped_space_its_lookup_stays_in(folder: Path) -> None:
+    """The run-time keeps every choice inside ``table.space``, which must be the shipped
+    spaces (what `kdagen check` verifies): a space edit needs a re-tune, like a kernel edit."""
+    table = load_table(folder)
+    assert table is not None
+    arch = str(table.device.get("arch"))
+    assert table.space == space_points(list(SPACES.values()), arch)

@@ -3,10 +3,11 @@
 ``generated/<fingerprint>/dispatch.json`` is written by ``kdagen tune`` and read by the
 run-time API through ``choose``. JSON rather than YAML so a deployed package needs no YAML
 parser. The table records the fingerprint, the nvidia-cutlass-dsl version, the template hash
-of each kernel, and the variants its studies measured with a hash of their content digests
-(rendered source, device helpers, DSL version: ``kdagen.render.digest``). A table whose DSL version differs from the running
-code, or whose measured variants now render differently, is refused (``StaleTableError``),
-never used: its winners were measured on other kernels. A template edit that renders them
+of each kernel, the variants its studies measured with a hash of their content digests
+(rendered source, device helpers, DSL version: ``kdagen.render.digest``), and its search
+space. A table whose DSL version differs from the running code, or whose measured variants
+now render differently, is refused (``StaleTableError``), never used: its winners were
+measured on other kernels. A template edit that renders them
 identically keeps it. (A table without render hashes is judged on its template hash.)
 
 Lookup for (kernel, contract, batch): the exact key and bucket, else the nearest bucket of
@@ -14,8 +15,8 @@ that key (log distance), else the per-GPU default of the kernel (the config that
 studies at the nearest bucket), else the caller's built-in heuristic. The choice then stays
 inside the search space the table was tuned from (``space``: what `kdagen check` verified): a
 default or heuristic config the space lacks for that key becomes the key's nearest point in
-it. Each fallback warns once per (contract key, reason). Results are cached per process: after the first call for a
-(contract, batch) a launch does no file I/O.
+it. Each fallback warns once per (contract key, reason). Results are cached per process:
+after the first call for a (contract, batch) a launch does no file I/O.
 """
 
 from __future__ import annotations

@@ -239,9 +239,10 @@ def _run(
             storage, {p.study_name(b): p.space_hash for p in plans for b in p.batches}, stamp
         )
         if restarted:
-            more = f"; and {len(restarted) - 3} more" if len(restarted) > 3 else ""
-            echo(f"starting again {len(restarted)} stud{'y' if len(restarted) == 1 else 'ies'} "
-                 f"whose kernels or candidates changed: {'; '.join(restarted[:3])}{more}")  # fmt: skip
+            n = len(restarted)
+            listed = "; ".join(restarted[:3]) + (f"; and {n - 3} more" if n > 3 else "")
+            echo(f"starting again {n} stud{'y' if n == 1 else 'ies'} whose kernels or "
+                 f"candidates changed: {listed}")  # fmt: skip
         ledger = Ledger()
         for study in fresh_studies(storage, stamp):
             ledger.add_study(study)

@@ -174,8 +174,10 @@ def first_state_after_inputs(source: str, guard: str = "") -> str:
 PREFETCH_METHOD = '''
     @cute.jit
     def prefetch_state(self, tma_atom, tma_tensor, s_state, slot, head):
-        """Warp-wide: an L2 prefetch of state (slot, head) through the TMA descriptor."""
-        g_state = cute.local_tile(tma_tensor, (ROWS, K), ((Int32(slot) * H + head) * (K // ROWS), 0))
+        """An L2 prefetch of state (slot, head) through the TMA descriptor. Call it from one
+        thread: unlike the TMA load, the DSL's prefetch does not elect a lane."""
+        box = (Int32(slot) * H + head) * (K // ROWS)
+        g_state = cute.local_tile(tma_tensor, (ROWS, K), (box, 0))
         _, t_gmem = cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1),
             cute.group_modes(s_state, 0, 2), cute.group_modes(g_state, 0, 2),
@@ -194,7 +196,9 @@ def prefetch_after(source: str) -> str:
     lines[at:at] = [
         "            if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)",
         "                if (after < units) & (after_slot > Int64(null_slot)):",
-        "                    self.prefetch_state(tma_atom, tma_tensor, s_state, after_slot, after % H)",
+        "                    self.prefetch_state(",
+        "                        tma_atom, tma_tensor, s_state, after_slot, after % H",
+        "                    )",
     ]
     return "\n".join(lines)
 

@@ -242,6 +242,28 @@ def input_prefetch_always(source: str) -> str:
     return source.replace(guard, "        if True:\n            self.prefetch_first_inputs(")
 
 
+CONV_MATH = "                # Each channel block's Q outputs take the fast SiLU"
+CONV_MATH_END = "                cum = Float32(0)\n"
+
+
+def conv_bytes_only(source: str) -> str:
+    """Timing bound, wrong outputs: a conv kernel's loads and stores (history, taps, window,
+    rolled state, kg) without its arithmetic (the raw window stands in for the conv output):
+    how fast the conv kernel could be with its math hidden, against conv off."""
+    if CONV_MATH not in source:
+        raise SystemExit("trace: conv-bytes-only needs a bf16-tap conv variant (sm90_wgmma)")
+    head = source.index(CONV_MATH)
+    return source[:head] + source[source.index(CONV_MATH_END, head) :]
+
+
+def conv_without_silu(source: str) -> str:
+    """Timing bound, wrong outputs: the conv's products and sums without its SiLUs."""
+    fast = "                            y, doubt = silu_fast(acc)\n"
+    if fast not in source:
+        raise SystemExit("trace: conv-no-silu needs a bf16-tap conv variant (sm90_wgmma)")
+    return source.replace(fast, "                            y, doubt = acc, Int32(0)\n")
+
+
 CONFIGS = {
     "prologue": lambda s: s,
     "no-prefetch": without_input_prefetch,
@@ -250,6 +272,8 @@ CONFIGS = {
     "staggered": lambda s: first_state_after_inputs(s, "cta >= 132"),
     "pf-after": prefetch_after,
     "pf-wave2": prefetch_second_wave,
+    "conv-bytes-only": conv_bytes_only,
+    "conv-no-silu": conv_without_silu,
 }
 
 

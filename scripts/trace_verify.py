@@ -223,23 +223,27 @@ def prefetch_second_wave(source: str) -> str:
     )
 
 
+# v8's input prefetch as rendered: only in one-wave launches.
+INPUT_PREFETCH = (
+    "        if units <= ctas:\n"
+    "            self.prefetch_first_inputs(tensors, first_slot, null_slot)\n"
+)
+
+
+def _input_prefetch_as(source: str, replacement: str) -> str:
+    if INPUT_PREFETCH not in source:
+        raise SystemExit("trace: the rendered source has no guarded input prefetch")
+    return source.replace(INPUT_PREFETCH, replacement)
+
+
 def without_input_prefetch(source: str) -> str:
     """v7's prologue: no L2 prefetch of the first units' inputs before griddepcontrol.wait."""
-    call = (
-        "        if units <= ctas:\n"
-        "            self.prefetch_first_inputs(tensors, first_slot, null_slot)\n"
-    )
-    if call not in source:
-        raise SystemExit("trace: the rendered source has no input prefetch to remove")
-    return source.replace(call, "")
+    return _input_prefetch_as(source, "")
 
 
 def input_prefetch_always(source: str) -> str:
     """v8's input prefetch at every batch, not only in one-wave launches."""
-    guard = "        if units <= ctas:\n            self.prefetch_first_inputs("
-    if guard not in source:
-        raise SystemExit("trace: the rendered source has no guarded input prefetch")
-    return source.replace(guard, "        if True:\n            self.prefetch_first_inputs(")
+    return _input_prefetch_as(source, INPUT_PREFETCH.replace("units <= ctas", "True"))
 
 
 CONV_MATH = "                # Each channel block's Q outputs take the fast SiLU"

@@ -7,10 +7,10 @@ The records of the last launch of the benchmark's CUDA graph are summarised: whe
 start, when the first states land, how long a unit takes in steady state, and the tail.
 
 Usage (GPU host, the devkit sourced):
-    python scripts/trace_verify.py VARIANT BATCH [BATCH ...] [--trace] [--config=NAME ...]
+    python scripts/trace_verify.py VARIANT BATCH [BATCH ...] [--trace] [--check] [--config=NAME ...]
 prints us per launch (the benchmark's method) for each ``--config`` (an experimental source
-patch of ``CONFIGS``; default: the rendered kernel as it is) and, with ``--trace``, the
-timeline of each. Only ``sm90_wgmma`` variants with one stage take the ``--config`` patches.
+patch of ``CONFIGS``; default: the rendered kernel as it is), with ``--trace`` the timeline of
+each, and with ``--check`` first runs ``kdagen check``'s cases on each patched build. Only ``sm90_wgmma`` variants with one stage take the ``--config`` patches.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kdagen.variant import Variant  # noqa: E402
 SLOTS = 128  # int64 records per CTA: 4 header fields, then 4 per unit
 HEADER = 4
 UNITS = (SLOTS - HEADER) // 4
+ORIGINAL_RENDER = krender.render
 
 HELPERS = '''
 
@@ -268,6 +269,117 @@ def conv_without_silu(source: str) -> str:
     return source.replace(fast, "                            y, doubt = acc, Int32(0)\n")
 
 
+SILU_DOUBT = "                            doubts = doubts | (doubt << (t + h))\n"
+SILU_SETTLE = (
+    "                    if doubts != 0:\n"
+    "                        for t in cutlass.range_constexpr(Q):\n"
+    "                            if ((doubts >> t) & 1) != 0:\n"
+    "                                raw[x, t] = silu_settled(pre[t]).to(cutlass.BFloat16)\n"
+)
+
+
+def _replace_once(source: str, edits: list[tuple[str, str]], config: str) -> str:
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise SystemExit(f"trace: {config} needs a bf16-tap conv variant (sm90_wgmma)")
+        source = source.replace(old, new)
+    return source
+
+
+def silu_without_test(source: str) -> str:
+    """Timing bound, rounding not settled: the fast SiLU without its doubt test and the
+    exact form (ptxas drops the unused test)."""
+    return _replace_once(source, [(SILU_DOUBT, "")], "silu-no-test")
+
+
+def silu_settled_kv(source: str) -> str:
+    """Experiment (wrong roundings of q): the doubted roundings of k and v settled, q's fast
+    result kept. Fails the check's element-wise out bound (v9 in the perf notes)."""
+    doubt_kv = SILU_DOUBT.replace("(doubt << ", "((doubt if x > 0 else Int32(0)) << ")
+    return _replace_once(source, [(SILU_DOUBT, doubt_kv)], "silu-settle-kv")
+
+
+def silu_settled_qk(source: str) -> str:
+    """Experiment: q's doubted roundings settled in k's branch (two settling branches per
+    unit instead of three; q's sums stay live through k's block)."""
+    settle = (
+        "                    if cutlass.const_expr(x > 0):\n"
+        "                        if doubts != 0:\n"
+        "                            for b in cutlass.range_constexpr(2 * x - 2, x + 1):\n"
+        "                                for t in cutlass.range_constexpr(Q):\n"
+        "                                    if ((doubts >> (b % 2 * Q + t)) & 1) != 0:\n"
+        "                                        raw[b, t] = silu_settled(pre[b, t]).to(\n"
+        "                                            cutlass.BFloat16\n"
+        "                                        )\n"
+    )
+    edits = [
+        (
+            "                pre = cute.make_rmem_tensor((Q,), Float32)\n",
+            "                pre = cute.make_rmem_tensor((3, Q), Float32)\n",
+        ),
+        (
+            "                    doubts = Int32(0)\n",
+            "                    if cutlass.const_expr(x != 1):\n"
+            "                        doubts = Int32(0)\n",
+        ),
+        ("pre[t + h] = acc", "pre[x, t + h] = acc"),
+        (SILU_DOUBT, SILU_DOUBT.replace("(doubt << (t + h))", "(doubt << (x % 2 * Q + t + h))")),
+        (SILU_SETTLE, settle),
+    ]
+    return _replace_once(source, edits, "silu-settle-qk")
+
+
+def silu_settled_once(source: str, first_block: int) -> str:
+    """Experiment: the doubted roundings of channel blocks ``first_block``..2 settled in one
+    branch after all three blocks (their sums kept), so no branch splits the blocks' chains."""
+    settle = (
+        "                if doubts != 0:\n"
+        f"                    for x in cutlass.range_constexpr({first_block}, 3):\n"
+        "                        for t in cutlass.range_constexpr(Q):\n"
+        "                            if ((doubts >> (x * Q + t)) & 1) != 0:\n"
+        "                                raw[x, t] = silu_settled(pre[x, t]).to(cutlass.BFloat16)\n"
+    )
+    edits = [
+        (
+            "                pre = cute.make_rmem_tensor((Q,), Float32)\n",
+            "                pre = cute.make_rmem_tensor((3, Q), Float32)\n"
+            "                doubts = Int32(0)\n",
+        ),
+        ("                    doubts = Int32(0)\n", ""),
+        ("pre[t + h] = acc", "pre[x, t + h] = acc"),
+        (
+            SILU_DOUBT,
+            SILU_DOUBT.replace(
+                "(doubt << (t + h))",
+                f"((doubt if x >= {first_block} else Int32(0)) << (x * Q + t + h))",
+            ),
+        ),
+        (SILU_SETTLE, ""),
+        ("                cum = Float32(0)\n", settle + "                cum = Float32(0)\n"),
+    ]
+    return _replace_once(source, edits, "silu-settle-once")
+
+
+def silu_settled_compact(source: str) -> str:
+    """Experiment: each block's doubted roundings settled by one exact SiLU in a loop over
+    the doubt bits (the value picked and put back by selects), not one unrolled per output:
+    a fraction of the rarely run code."""
+    settle = (
+        "                    while doubts != 0:\n"
+        "                        low = doubts & (Int32(0) - doubts)  # the lowest doubt bit\n"
+        "                        value = pre[0]\n"
+        "                        for t in cutlass.range_constexpr(1, Q):\n"
+        "                            value = Float32(cutlass.select_(low == (1 << t), pre[t], value))\n"
+        "                        exact = silu_settled(value).to(cutlass.BFloat16)\n"
+        "                        for t in cutlass.range_constexpr(Q):\n"
+        "                            raw[x, t] = cutlass.BFloat16(\n"
+        "                                cutlass.select_(low == (1 << t), exact, raw[x, t])\n"
+        "                            )\n"
+        "                        doubts = doubts ^ low\n"
+    )
+    return _replace_once(source, [(SILU_SETTLE, settle)], "silu-settle-compact")
+
+
 CONFIGS = {
     "prologue": lambda s: s,
     "no-prefetch": without_input_prefetch,
@@ -278,31 +390,57 @@ CONFIGS = {
     "pf-wave2": prefetch_second_wave,
     "conv-bytes-only": conv_bytes_only,
     "conv-no-silu": conv_without_silu,
+    "silu-no-test": silu_without_test,
+    "silu-settle-kv": silu_settled_kv,
+    "silu-settle-qk": silu_settled_qk,
+    "silu-settle-once": lambda s: silu_settled_once(s, 0),
+    "silu-settle-kv-once": lambda s: silu_settled_once(s, 1),
+    "silu-settle-compact": silu_settled_compact,
 }
 
 
-def main(name: str, batches: list[int], configs: list[str], trace: bool) -> None:
+def use_config(variant: Variant, config: str, records: torch.Tensor, trace: bool) -> None:
+    """Build ``variant`` from its render patched by ``config`` (and the trace records)."""
     from kdagen.runtime import launcher
 
+    def patched(v: Variant) -> str:
+        source = ORIGINAL_RENDER(v)
+        if v != variant:
+            return source
+        source = CONFIGS[config](source)
+        return patch(source, records.data_ptr()) if trace else source
+
+    krender.render = kcompile.render = patched
+    launcher.cache_clear()
+
+
+def check_configs(variant: Variant, configs: list[str], records: torch.Tensor) -> None:
+    """``kdagen check``'s cases (fp64 reference, edge cases) on each patched build: an
+    experiment's timing counts only if its outputs are right."""
+    from kdagen.check import check_variant
+
+    for config in configs:
+        use_config(variant, config, records, trace=False)
+        cases = check_variant(variant, seed=0)
+        passed = sum(c.passed for c in cases)
+        worst = max(cases, key=lambda c: (not c.passed, c.score))
+        out_max = max(c.out_max_rel for c in cases)
+        print(f"check {config}: {passed}/{len(cases)} cases passed, out max element {out_max:.2e}")
+        print(f"  worst ({worst.case}): {worst.summary()}")
+
+
+def main(name: str, batches: list[int], configs: list[str], trace: bool, check: bool) -> None:
     variant = Variant.parse(name)
     records = torch.zeros(variant.ctas * SLOTS, dtype=torch.int64, device="cuda")
-    original = krender.render
+    if check:
+        check_configs(variant, configs, records)
     bandwidth = copy_bandwidth()
     table = []
     for batch in batches:
         sets = verify_sets(variant, batch)
         row = [batch, floor_us(variant, batch, bandwidth)]
         for config in configs:
-
-            def patched(v, config=config):
-                source = original(v)
-                if v != variant:
-                    return source
-                source = CONFIGS[config](source)
-                return patch(source, records.data_ptr()) if trace else source
-
-            krender.render = kcompile.render = patched
-            launcher.cache_clear()
+            use_config(variant, config, records, trace)
             records.zero_()
             timing = time_graph([verify_launch(s, variant) for s in sets])
             torch.cuda.synchronize()
@@ -320,7 +458,6 @@ def main(name: str, batches: list[int], configs: list[str], trace: bool) -> None
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    trace = "--trace" in args
     configs = [a.split("=", 1)[1] for a in args if a.startswith("--config=")] or ["prologue"]
     rest = [a for a in args if not a.startswith("--")]
-    main(rest[0], [int(b) for b in rest[1:]], configs, trace)
+    main(rest[0], [int(b) for b in rest[1:]], configs, "--trace" in args, "--check" in args)

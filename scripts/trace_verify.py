@@ -270,12 +270,6 @@ def conv_without_silu(source: str) -> str:
 
 
 SILU_DOUBT = "                            doubts = doubts | (doubt << (t + h))\n"
-SILU_SETTLE = (
-    "                    if doubts != 0:\n"
-    "                        for t in cutlass.range_constexpr(Q):\n"
-    "                            if ((doubts >> t) & 1) != 0:\n"
-    "                                raw[x, t] = silu_settled(pre[t]).to(cutlass.BFloat16)\n"
-)
 
 
 def _replace_once(source: str, edits: list[tuple[str, str]], config: str) -> str:
@@ -299,87 +293,6 @@ def silu_settled_kv(source: str) -> str:
     return _replace_once(source, [(SILU_DOUBT, doubt_kv)], "silu-settle-kv")
 
 
-def silu_settled_qk(source: str) -> str:
-    """Experiment: q's doubted roundings settled in k's branch (two settling branches per
-    unit instead of three; q's sums stay live through k's block)."""
-    settle = (
-        "                    if cutlass.const_expr(x > 0):\n"
-        "                        if doubts != 0:\n"
-        "                            for b in cutlass.range_constexpr(2 * x - 2, x + 1):\n"
-        "                                for t in cutlass.range_constexpr(Q):\n"
-        "                                    if ((doubts >> (b % 2 * Q + t)) & 1) != 0:\n"
-        "                                        raw[b, t] = silu_settled(pre[b, t]).to(\n"
-        "                                            cutlass.BFloat16\n"
-        "                                        )\n"
-    )
-    edits = [
-        (
-            "                pre = cute.make_rmem_tensor((Q,), Float32)\n",
-            "                pre = cute.make_rmem_tensor((3, Q), Float32)\n",
-        ),
-        (
-            "                    doubts = Int32(0)\n",
-            "                    if cutlass.const_expr(x != 1):\n"
-            "                        doubts = Int32(0)\n",
-        ),
-        ("pre[t + h] = acc", "pre[x, t + h] = acc"),
-        (SILU_DOUBT, SILU_DOUBT.replace("(doubt << (t + h))", "(doubt << (x % 2 * Q + t + h))")),
-        (SILU_SETTLE, settle),
-    ]
-    return _replace_once(source, edits, "silu-settle-qk")
-
-
-def silu_settled_once(source: str, first_block: int) -> str:
-    """Experiment: the doubted roundings of channel blocks ``first_block``..2 settled in one
-    branch after all three blocks (their sums kept), so no branch splits the blocks' chains."""
-    settle = (
-        "                if doubts != 0:\n"
-        f"                    for x in cutlass.range_constexpr({first_block}, 3):\n"
-        "                        for t in cutlass.range_constexpr(Q):\n"
-        "                            if ((doubts >> (x * Q + t)) & 1) != 0:\n"
-        "                                raw[x, t] = silu_settled(pre[x, t]).to(cutlass.BFloat16)\n"
-    )
-    edits = [
-        (
-            "                pre = cute.make_rmem_tensor((Q,), Float32)\n",
-            "                pre = cute.make_rmem_tensor((3, Q), Float32)\n"
-            "                doubts = Int32(0)\n",
-        ),
-        ("                    doubts = Int32(0)\n", ""),
-        ("pre[t + h] = acc", "pre[x, t + h] = acc"),
-        (
-            SILU_DOUBT,
-            SILU_DOUBT.replace(
-                "(doubt << (t + h))",
-                f"((doubt if x >= {first_block} else Int32(0)) << (x * Q + t + h))",
-            ),
-        ),
-        (SILU_SETTLE, ""),
-        ("                cum = Float32(0)\n", settle + "                cum = Float32(0)\n"),
-    ]
-    return _replace_once(source, edits, "silu-settle-once")
-
-
-def silu_settled_compact(source: str) -> str:
-    """Experiment: each block's doubted roundings settled by one exact SiLU in a loop over
-    the doubt bits (the value picked and put back by selects), not one unrolled per output:
-    a fraction of the rarely run code."""
-    settle = (
-        "                    while doubts != 0:\n"
-        "                        low = doubts & (Int32(0) - doubts)  # the lowest doubt bit\n"
-        "                        value = pre[0]\n"
-        "                        for t in cutlass.range_constexpr(1, Q):\n"
-        "                            value = Float32(cutlass.select_(low == (1 << t), pre[t], value))\n"
-        "                        exact = silu_settled(value).to(cutlass.BFloat16)\n"
-        "                        for t in cutlass.range_constexpr(Q):\n"
-        "                            raw[x, t] = cutlass.BFloat16(\n"
-        "                                cutlass.select_(low == (1 << t), exact, raw[x, t])\n"
-        "                            )\n"
-        "                        doubts = doubts ^ low\n"
-    )
-    return _replace_once(source, [(SILU_SETTLE, settle)], "silu-settle-compact")
-
-
 CONFIGS = {
     "prologue": lambda s: s,
     "no-prefetch": without_input_prefetch,
@@ -392,10 +305,6 @@ CONFIGS = {
     "conv-no-silu": conv_without_silu,
     "silu-no-test": silu_without_test,
     "silu-settle-kv": silu_settled_kv,
-    "silu-settle-qk": silu_settled_qk,
-    "silu-settle-once": lambda s: silu_settled_once(s, 0),
-    "silu-settle-kv-once": lambda s: silu_settled_once(s, 1),
-    "silu-settle-compact": silu_settled_compact,
 }
 
 

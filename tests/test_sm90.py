@@ -97,6 +97,19 @@ def test_ptx_has_the_designed_instructions(
     assert "mma.sync.aligned.m16n8k16" in ptx
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q8-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+        "verify-h96-q5-conv-tm-fp32-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
+    ],
+)
+def test_conv_settles_with_one_exact_silu_per_block(records, cache: Path, name: str) -> None:
+    """The doubted SiLU roundings are settled by one exact SiLU (its IEEE division) per
+    channel block, in a loop: one copy per output (Q per block) cost 7 % (perf notes, v9)."""
+    assert _ptx(name, cache).count("div.rn.f32") == 3
+
+
 def test_rendered_source_has_only_its_variant() -> None:
     plain = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r1-c528-s1-nopdl"))
     assert "conv_state" not in plain and "SPLIT" not in plain and "use_stage" not in plain

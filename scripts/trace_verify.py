@@ -248,6 +248,23 @@ def input_prefetch_always(source: str) -> str:
     return _input_prefetch_as(source, INPUT_PREFETCH.replace("units <= ctas", "True"))
 
 
+LAUNCH_DEPENDENTS = "        cute.arch.griddepcontrol_launch_dependents()\n"
+
+
+def input_prefetch_after_wait(source: str) -> str:
+    """Experiment: launches of more than one wave prefetch the first units' inputs right
+    after griddepcontrol.wait (v8's prefetch was slower before it: its bytes competed with
+    the previous launch's tail). The window rows then stream alongside the query_start read
+    instead of one round trip after it."""
+    if source.count(LAUNCH_DEPENDENTS) != 1:
+        raise SystemExit("trace: prefetch-after-wait needs a PDL variant (sm90_wgmma)")
+    after = (
+        "        if units > ctas:\n"
+        "            self.prefetch_first_inputs(tensors, first_slot, null_slot)\n"
+    )
+    return source.replace(LAUNCH_DEPENDENTS, LAUNCH_DEPENDENTS + after)
+
+
 CONV_MATH = "                # Each channel block's Q outputs take the fast SiLU"
 CONV_MATH_END = "                cum = Float32(0)\n"
 
@@ -298,6 +315,7 @@ CONFIGS = {
     "prologue": lambda s: s,
     "no-prefetch": without_input_prefetch,
     "prefetch-always": input_prefetch_always,
+    "prefetch-after-wait": input_prefetch_after_wait,
     "after-inputs": first_state_after_inputs,
     "staggered": lambda s: first_state_after_inputs(s, "cta >= 132"),
     "pf-after": prefetch_after,

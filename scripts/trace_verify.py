@@ -225,6 +225,18 @@ def prefetch_second_wave(source: str) -> str:
     )
 
 
+def _replace_once(source: str, edits: list[tuple[str, str]], config: str, needs: str) -> str:
+    """Apply each (old, new) edit to the one place ``old`` occurs in the render; a render
+    without exactly one is not the kind ``config`` patches (``needs`` says which is)."""
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise SystemExit(f"trace: {config} needs {needs}")
+        source = source.replace(old, new)
+    return source
+
+
+CONV_BF16 = "a bf16-tap conv variant (sm90_wgmma)"
+
 # v8's input prefetch as rendered: only in one-wave launches.
 INPUT_PREFETCH = (
     "        if units <= ctas:\n"
@@ -232,20 +244,20 @@ INPUT_PREFETCH = (
 )
 
 
-def _input_prefetch_as(source: str, replacement: str) -> str:
-    if INPUT_PREFETCH not in source:
-        raise SystemExit("trace: the rendered source has no guarded input prefetch")
-    return source.replace(INPUT_PREFETCH, replacement)
+def _input_prefetch_as(source: str, replacement: str, config: str) -> str:
+    needs = "a PDL variant with the guarded input prefetch (sm90_wgmma)"
+    return _replace_once(source, [(INPUT_PREFETCH, replacement)], config, needs)
 
 
 def without_input_prefetch(source: str) -> str:
     """v7's prologue: no L2 prefetch of the first units' inputs before griddepcontrol.wait."""
-    return _input_prefetch_as(source, "")
+    return _input_prefetch_as(source, "", "no-prefetch")
 
 
 def input_prefetch_always(source: str) -> str:
     """v8's input prefetch at every batch, not only in one-wave launches."""
-    return _input_prefetch_as(source, INPUT_PREFETCH.replace("units <= ctas", "True"))
+    always = INPUT_PREFETCH.replace("units <= ctas", "True")
+    return _input_prefetch_as(source, always, "prefetch-always")
 
 
 LAUNCH_DEPENDENTS = "        cute.arch.griddepcontrol_launch_dependents()\n"
@@ -256,13 +268,12 @@ def input_prefetch_after_wait(source: str) -> str:
     after griddepcontrol.wait (v8's prefetch was slower before it: its bytes competed with
     the previous launch's tail). The window rows then stream alongside the query_start read
     instead of one round trip after it."""
-    if source.count(LAUNCH_DEPENDENTS) != 1:
-        raise SystemExit("trace: prefetch-after-wait needs a PDL variant (sm90_wgmma)")
     after = (
         "        if units > ctas:\n"
         "            self.prefetch_first_inputs(tensors, first_slot, null_slot)\n"
     )
-    return source.replace(LAUNCH_DEPENDENTS, LAUNCH_DEPENDENTS + after)
+    edit = (LAUNCH_DEPENDENTS, LAUNCH_DEPENDENTS + after)
+    return _replace_once(source, [edit], "prefetch-after-wait", "a PDL variant (sm90_wgmma)")
 
 
 CONV_MATH = "                # Each channel block's Q outputs take the fast SiLU"
@@ -282,33 +293,24 @@ def conv_bytes_only(source: str) -> str:
 def conv_without_silu(source: str) -> str:
     """Timing bound, wrong outputs: the conv's products and sums without its SiLUs."""
     fast = "                            y, doubt = silu_fast(acc)\n"
-    if fast not in source:
-        raise SystemExit("trace: conv-no-silu needs a bf16-tap conv variant (sm90_wgmma)")
-    return source.replace(fast, "                            y, doubt = acc, Int32(0)\n")
+    plain = "                            y, doubt = acc, Int32(0)\n"
+    return _replace_once(source, [(fast, plain)], "conv-no-silu", CONV_BF16)
 
 
 SILU_DOUBT = "                            doubts = doubts | (doubt << (t + h))\n"
 
 
-def _replace_once(source: str, edits: list[tuple[str, str]], config: str) -> str:
-    for old, new in edits:
-        if source.count(old) != 1:
-            raise SystemExit(f"trace: {config} needs a bf16-tap conv variant (sm90_wgmma)")
-        source = source.replace(old, new)
-    return source
-
-
 def silu_without_test(source: str) -> str:
     """Timing bound, rounding not settled: the fast SiLU without its doubt test and the
     exact form (ptxas drops the unused test)."""
-    return _replace_once(source, [(SILU_DOUBT, "")], "silu-no-test")
+    return _replace_once(source, [(SILU_DOUBT, "")], "silu-no-test", CONV_BF16)
 
 
 def silu_settled_kv(source: str) -> str:
     """Experiment (wrong roundings of q): the doubted roundings of k and v settled, q's fast
     result kept. Fails the check's element-wise out bound (v9 in the perf notes)."""
     doubt_kv = SILU_DOUBT.replace("(doubt << ", "((doubt if x > 0 else Int32(0)) << ")
-    return _replace_once(source, [(SILU_DOUBT, doubt_kv)], "silu-settle-kv")
+    return _replace_once(source, [(SILU_DOUBT, doubt_kv)], "silu-settle-kv", CONV_BF16)
 
 
 CONFIGS = {

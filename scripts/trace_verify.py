@@ -2,7 +2,9 @@
 
 The variant's rendered source is patched (never the templates) so that thread 0 of every CTA
 records %globaltimer at: kernel entry, the return of griddepcontrol.wait, and per unit the
-loop top, the state's arrival, the projections barrier and the unit's end, then the exit.
+loop top, the state's arrival, the projections barrier and the unit's end, then the exit;
+for the first unit also its norms barrier, the issue of its look-ahead loads and its
+coupling barrier (the ``state-probe`` patch adds when the first state landed).
 The records of the last launch of the benchmark's CUDA graph are summarised: when the CTAs
 start, when the first states land, how long a unit takes in steady state, and the tail.
 
@@ -30,8 +32,8 @@ import kdagen.render as krender  # noqa: E402
 from kdagen.bench import copy_bandwidth, floor_us, time_graph, verify_launch, verify_sets  # noqa: E402
 from kdagen.variant import Variant  # noqa: E402
 
-SLOTS = 128  # int64 records per CTA: 4 header fields, then 4 per unit
-HEADER = 4
+SLOTS = 128  # int64 records per CTA: 8 header fields, then 4 per unit
+HEADER = 8
 UNITS = (SLOTS - HEADER) // 4
 ORIGINAL_RENDER = krender.render
 
@@ -84,6 +86,22 @@ def patch(source: str, base: int) -> str:
     source = _insert(source, "while unit < units:", "            trace_unit(trace_n, 0)")
     source = _insert(
         source, "cute.arch.mbarrier_wait(state_full", "                trace_unit(trace_n, 1)"
+    )
+    for anchor, field in (("# norms and betas", 5), ("# probes and coupling partials", 6)):
+        source = _insert(  # the first unit's stages before its state wait
+            source,
+            f"cute.arch.barrier()  {anchor}",
+            (
+                "            if trace_n == 0:\n"
+                f"                trace_put({field}, cute.arch.globaltimer())"
+            ),
+        )
+    issued = source.index(")  # fmt: skip\n", source.index("# The registers are free"))
+    issued += len(")  # fmt: skip\n")
+    source = (  # the first unit's look-ahead loads issued (their addresses known)
+        source[:issued]
+        + "            if trace_n == 0:\n                trace_put(7, cute.arch.globaltimer())\n"
+        + source[issued:]
     )
     source = _insert(
         source, "cute.arch.barrier()  # projections", "            trace_unit(trace_n, 2)"
@@ -138,9 +156,16 @@ def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) 
     print("  (min / median / p90 / max, us from the first CTA's entry)")
     print(f"  entry                 {_stats([us(r[0]) for r in rows])}")
     print(f"  griddepcontrol.wait   {_stats([us(r[1]) for r in rows])}")
+    print(f"  first loop top        {_stats([us(c[0][0]) for c in units if c])}")
+    working = [r for r, c in zip(rows, units, strict=True) if c]  # CTAs with a first unit
+    for label, field in (("norms barrier  ", 5), ("next loads out ", 7), ("coupling barr. ", 6)):
+        print(f"  first {label} {_stats([us(r[field]) for r in working])}")
     print(f"  first state ready     {_stats([us(c[0][1]) for c in units if c])}")
     print(f"  first unit end        {_stats([us(c[0][3]) for c in units if c])}")
     print(f"  last state ready      {_stats([us(c[-1][1]) for c in units if c])}")
+    landed = [us(r[4]) for r in rows if r[4]]
+    if landed:
+        print(f"  first state landed    {_stats(landed)}  (state-probe: waited on at once)")
     print(f"  exit                  {_stats(exits)}")
     print(f"  units per CTA         {min(counts)} / {statistics.median(counts)} / {max(counts)}")
     print(f"  unit period (end to end, us)        {_stats(steady)}")
@@ -313,6 +338,98 @@ def silu_settled_kv(source: str) -> str:
     return _replace_once(source, [(SILU_DOUBT, doubt_kv)], "silu-settle-kv", CONV_BF16)
 
 
+OWN_WINDOW_METHOD = '''
+    @cute.jit
+    def prefetch_own_window(self, tensors: tuple):
+        """L2 prefetches, before griddepcontrol.wait, of this CTA's first unit's window at
+        its full-window place, rows [b Q, (b + 1) Q) of its head (right when every earlier
+        request holds Q tokens; a wrong guess only costs the bytes), and its query_start
+        line: the unit's own bytes, no more."""
+        acts, raw_g, raw_beta = tensors[:3]
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        request, head = cta // H, cta % H
+        if tid < Q * 5:
+            row = cutlass.min(raw_g.shape[0] - 1, request * Q + tid // 5)
+            x = tid % 5
+            address = at(raw_beta, row, 0)
+            if x == 0:
+                address = at(acts[0], row, head * K)
+            if x == 1:
+                address = at(acts[1], row, head * K)
+            if x == 2:
+                address = at(acts[2], row, head * K)
+            if x == 3:
+                address = at(raw_g, row, head * K)
+            if x < 4:
+                prefetch_l2(address, K * 2)  # the head's K bf16
+            else:
+                prefetch_l2_line(address)  # beta: H bf16
+        if tid == THREADS - 1:
+            prefetch_l2_line(at(tensors[8], request))
+'''
+
+
+def own_window_prefetch(source: str) -> str:
+    """Experiment: launches of more than one wave prefetch, before griddepcontrol.wait,
+    each CTA's own first window (guessed at its full-window rows) and query_start line,
+    not v8's rows [0, R) shared over the grid (whose jobs late-entering CTAs issue late)."""
+    anchor = "    @cute.jit\n    def unit_meta("
+    source = source.replace(anchor, OWN_WINDOW_METHOD.lstrip("\n") + "\n" + anchor)
+    own = INPUT_PREFETCH + "        else:\n            self.prefetch_own_window(tensors)\n"
+    return _input_prefetch_as(source, own, "own-window")
+
+
+def reads_only(source: str) -> str:
+    """Timing bound, wrong outputs: every unit's reads (state, window, request) and none of
+    its math or stores (no unit is live): how fast the reads alone stream."""
+    live = "            live = valid & (qlen > 0)\n"
+    never = "            live = valid & (qlen < 0)\n"
+    return _replace_once(source, [(live, never)], "reads-only", "an sm90_wgmma variant")
+
+
+def without_stores(source: str) -> str:
+    """Timing bound, wrong outputs: the math without the stores of kg, out and corr (each
+    store behind a run-time test that never holds, so the math stays)."""
+    lines = source.split("\n")
+    wrapped = []
+    for line in lines:
+        body = line.strip()
+        if body.startswith(("kg[record, head, t", "corr[record, head, t", "out[bos + t")) and (
+            "element_type(0)" not in body
+        ):
+            indent = line[: len(line) - len(line.lstrip())]
+            wrapped += [f"{indent}if qlen > Q:", f"    {line}"]
+        else:
+            wrapped.append(line)
+    return "\n".join(wrapped)
+
+
+EVICT_FIRST = "Int64(0x12F0000000000000)"  # the L2 cache-hint operand of EVICT_FIRST
+
+
+def state_evict_first(source: str) -> str:
+    """Experiment: the state's TMA loads carry an L2 evict-first hint, so the streamed
+    states (read once) do not push the kernel's code and small inputs out of L2."""
+    tma = "cute.copy(tma_atom, t_gmem, t_smem[None, stage], tma_bar_ptr=barrier)"
+    hinted = tma[:-1] + f", cache_policy={EVICT_FIRST})"
+    return _replace_once(source, [(tma, hinted)], "state-evict-first", "an sm90_wgmma variant")
+
+
+def probe_first_state(source: str) -> str:
+    """Trace-only (with --trace): every thread waits for its first state right after
+    griddepcontrol.wait and records when it landed (header field 4). It delays the first
+    unit's input reads until then, so it shows the first states' delivery on their own."""
+    probe = (
+        "        if first_slot > Int64(null_slot):\n"
+        "            probe_barrier = state_full.iterator  # not the trace's anchor\n"
+        "            cute.arch.mbarrier_wait(probe_barrier, 0)\n"
+        "        trace_put(4, cute.arch.globaltimer())\n"
+    )
+    edit = (LAUNCH_DEPENDENTS, LAUNCH_DEPENDENTS + probe)
+    return _replace_once(source, [edit], "state-probe", "a PDL variant (sm90_wgmma)")
+
+
 CONFIGS = {
     "prologue": lambda s: s,
     "no-prefetch": without_input_prefetch,
@@ -326,6 +443,11 @@ CONFIGS = {
     "conv-no-silu": conv_without_silu,
     "silu-no-test": silu_without_test,
     "silu-settle-kv": silu_settled_kv,
+    "state-probe": probe_first_state,
+    "own-window": own_window_prefetch,
+    "state-evict-first": state_evict_first,
+    "reads-only": reads_only,
+    "no-stores": without_stores,
 }
 
 
@@ -337,7 +459,8 @@ def use_config(variant: Variant, config: str, records: torch.Tensor, trace: bool
         source = ORIGINAL_RENDER(v)
         if v != variant:
             return source
-        source = CONFIGS[config](source)
+        for part in config.split("+"):  # patches chain: --config=a+b
+            source = CONFIGS[part](source)
         return patch(source, records.data_ptr()) if trace else source
 
     krender.render = kcompile.render = patched

@@ -11,7 +11,7 @@ start, when the first states land, how long a unit takes in steady state, and th
 Usage (GPU host, the devkit sourced):
     python scripts/trace_verify.py VARIANT BATCH [BATCH ...] [--trace] [--check] [--config=NAME ...]
 prints us per launch (the benchmark's method) for each ``--config`` (an experimental source
-patch of ``CONFIGS``; default: the rendered kernel as it is), with ``--trace`` the timeline of
+patch of ``CONFIGS``, or several chained as ``a+b``; default: the rendered kernel as it is), with ``--trace`` the timeline of
 each, and with ``--check`` first runs ``kdagen check``'s cases on each patched build. Only
 ``sm90_wgmma`` variants with one stage take the ``--config`` patches.
 """
@@ -87,22 +87,18 @@ def patch(source: str, base: int) -> str:
     source = _insert(
         source, "cute.arch.mbarrier_wait(state_full", "                trace_unit(trace_n, 1)"
     )
-    for anchor, field in (("# norms and betas", 5), ("# probes and coupling partials", 6)):
-        source = _insert(  # the first unit's stages before its state wait
-            source,
-            f"cute.arch.barrier()  {anchor}",
-            (
-                "            if trace_n == 0:\n"
-                f"                trace_put({field}, cute.arch.globaltimer())"
-            ),
-        )
-    issued = source.index(")  # fmt: skip\n", source.index("# The registers are free"))
-    issued += len(")  # fmt: skip\n")
-    source = (  # the first unit's look-ahead loads issued (their addresses known)
-        source[:issued]
-        + "            if trace_n == 0:\n                trace_put(7, cute.arch.globaltimer())\n"
-        + source[issued:]
+    # The first unit's stages before its state wait, where the render has them (one
+    # warpgroup per unit; the two-warpgroup block has other barriers).
+    first_record = (
+        "            if trace_n == 0:\n                trace_put({}, cute.arch.globaltimer())"
     )
+    for anchor, field in (("# norms and betas", 5), ("# probes and coupling partials", 6)):
+        if f"cute.arch.barrier()  {anchor}" in source:
+            source = _insert(source, f"cute.arch.barrier()  {anchor}", first_record.format(field))
+    if "# The registers are free" in source:  # the look-ahead loads issued (addresses known)
+        issued = source.index(")  # fmt: skip\n", source.index("# The registers are free"))
+        issued += len(")  # fmt: skip\n")
+        source = source[:issued] + first_record.format(7) + "\n" + source[issued:]
     source = _insert(
         source, "cute.arch.barrier()  # projections", "            trace_unit(trace_n, 2)"
     )
@@ -159,7 +155,8 @@ def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) 
     print(f"  first loop top        {_stats([us(c[0][0]) for c in units if c])}")
     working = [r for r, c in zip(rows, units, strict=True) if c]  # CTAs with a first unit
     for label, field in (("norms barrier  ", 5), ("next loads out ", 7), ("coupling barr. ", 6)):
-        print(f"  first {label} {_stats([us(r[field]) for r in working])}")
+        if any(r[field] for r in working):  # recorded where the render has the stage
+            print(f"  first {label} {_stats([us(r[field]) for r in working])}")
     print(f"  first state ready     {_stats([us(c[0][1]) for c in units if c])}")
     print(f"  first unit end        {_stats([us(c[0][3]) for c in units if c])}")
     print(f"  last state ready      {_stats([us(c[-1][1]) for c in units if c])}")
@@ -375,9 +372,10 @@ def own_window_prefetch(source: str) -> str:
     each CTA's own first window (guessed at its full-window rows) and query_start line,
     not v8's rows [0, R) shared over the grid (whose jobs late-entering CTAs issue late)."""
     anchor = "    @cute.jit\n    def unit_meta("
-    source = source.replace(anchor, OWN_WINDOW_METHOD.lstrip("\n") + "\n" + anchor)
     own = INPUT_PREFETCH + "        else:\n            self.prefetch_own_window(tensors)\n"
-    return _input_prefetch_as(source, own, "own-window")
+    edits = [(anchor, OWN_WINDOW_METHOD.lstrip("\n") + "\n" + anchor), (INPUT_PREFETCH, own)]
+    needs = "a PDL variant with the guarded input prefetch (sm90_wgmma)"
+    return _replace_once(source, edits, "own-window", needs)
 
 
 def reads_only(source: str) -> str:
@@ -402,6 +400,8 @@ def without_stores(source: str) -> str:
             wrapped += [f"{indent}if qlen > Q:", f"    {line}"]
         else:
             wrapped.append(line)
+    if len(wrapped) - len(lines) < 4:  # kg (k and g), out and corr
+        raise SystemExit("trace: no-stores needs an sm90_wgmma variant")
     return "\n".join(wrapped)
 
 
@@ -460,6 +460,8 @@ def use_config(variant: Variant, config: str, records: torch.Tensor, trace: bool
         if v != variant:
             return source
         for part in config.split("+"):  # patches chain: --config=a+b
+            if part == "state-probe" and not trace:
+                raise SystemExit("trace: state-probe records into the trace: add --trace")
             source = CONFIGS[part](source)
         return patch(source, records.data_ptr()) if trace else source
 

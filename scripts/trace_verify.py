@@ -11,9 +11,10 @@ start, when the first states land, how long a unit takes in steady state, and th
 Usage (GPU host, the devkit sourced):
     python scripts/trace_verify.py VARIANT BATCH [BATCH ...] [--trace] [--check] [--config=NAME ...]
 prints us per launch (the benchmark's method) for each ``--config`` (an experimental source
-patch of ``CONFIGS``, or several chained as ``a+b``; default: the rendered kernel as it is), with ``--trace`` the timeline of
-each, and with ``--check`` first runs ``kdagen check``'s cases on each patched build. Only
-``sm90_wgmma`` variants with one stage take the ``--config`` patches.
+patch of ``CONFIGS``, or several chained as ``a+b``; default: the rendered kernel as it is),
+with ``--trace`` the timeline of each, and with ``--check`` first runs ``kdagen check``'s
+cases on each patched build. Only ``sm90_wgmma`` variants with one stage take the
+``--config`` patches.
 """
 
 from __future__ import annotations

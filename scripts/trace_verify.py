@@ -33,8 +33,8 @@ import kdagen.render as krender  # noqa: E402
 from kdagen.bench import copy_bandwidth, floor_us, time_graph, verify_launch, verify_sets  # noqa: E402
 from kdagen.variant import Variant  # noqa: E402
 
-SLOTS = 128  # int64 records per CTA: 8 header fields, then 4 per unit
-HEADER = 8
+SLOTS = 128  # int64 records per CTA: 12 header fields, then 4 per unit
+HEADER = 12
 UNITS = (SLOTS - HEADER) // 4
 ORIGINAL_RENDER = krender.render
 
@@ -84,6 +84,28 @@ def patch(source: str, base: int) -> str:
     source = _insert(
         source, "griddepcontrol_launch_dependents()", "        trace_t1 = cute.arch.globaltimer()"
     )
+    # Before the loop: the first request's meta arrived (the window's addresses known), the
+    # window loads issued, and (multi-wave launches) the ticket barrier passed.
+    source = _insert(
+        source,
+        "self.load_activations(",
+        "        if bos > -1:  # waits for the meta, as the window loads' addresses do\n"
+        "            trace_put(8, cute.arch.globaltimer())",
+        after=False,
+    )
+    meta_loaded = source.index(")  # fmt: skip\n", source.index("self.load_activations("))
+    meta_loaded += len(")  # fmt: skip\n")
+    source = (
+        source[:meta_loaded]
+        + "        trace_put(9, cute.arch.globaltimer())\n"
+        + source[meta_loaded:]
+    )
+    if "            nxt = next_unit[0]" in source:
+        source = _insert(
+            source,
+            "            nxt = next_unit[0]",
+            "            trace_put(10, cute.arch.globaltimer())",
+        )
     source = _insert(source, "while unit < units:", "            trace_unit(trace_n, 0)")
     source = _insert(
         source, "cute.arch.mbarrier_wait(state_full", "                trace_unit(trace_n, 1)"
@@ -141,9 +163,9 @@ def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) 
         [r[HEADER + 4 * i : HEADER + 4 * i + 4] for i in range(n)]
         for r, n in zip(rows, counts, strict=True)
     ]
-    ready = [us(u[1]) for cta in units for u in cta]
+    ready = [us(u[1]) for cta in units for u in cta if u[1]]  # none where no state was waited on
     steady = [(cta[i][3] - cta[i - 1][3]) * 1e-3 for cta in units for i in range(1, len(cta))]
-    waits = [(u[1] - u[0]) * 1e-3 for cta in units for u in cta]
+    waits = [(u[1] - u[0]) * 1e-3 for cta in units for u in cta if u[1]]
     solve = [(u[3] - u[2]) * 1e-3 for cta in units for u in cta]
     exits = [us(r[2]) for r in rows]
     print(
@@ -153,14 +175,17 @@ def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) 
     print("  (min / median / p90 / max, us from the first CTA's entry)")
     print(f"  entry                 {_stats([us(r[0]) for r in rows])}")
     print(f"  griddepcontrol.wait   {_stats([us(r[1]) for r in rows])}")
+    for label, field in (("meta arrived", 8), ("window issued", 9), ("ticket barrier", 10)):
+        if any(r[field] for r in rows):
+            print(f"  {label:<21} {_stats([us(r[field]) for r in rows if r[field]])}")
     print(f"  first loop top        {_stats([us(c[0][0]) for c in units if c])}")
     working = [r for r, c in zip(rows, units, strict=True) if c]  # CTAs with a first unit
     for label, field in (("norms barrier  ", 5), ("next loads out ", 7), ("coupling barr. ", 6)):
         if any(r[field] for r in working):  # recorded where the render has the stage
             print(f"  first {label} {_stats([us(r[field]) for r in working])}")
-    print(f"  first state ready     {_stats([us(c[0][1]) for c in units if c])}")
+    print(f"  first state ready     {_stats([us(c[0][1]) for c in units if c and c[0][1]])}")
     print(f"  first unit end        {_stats([us(c[0][3]) for c in units if c])}")
-    print(f"  last state ready      {_stats([us(c[-1][1]) for c in units if c])}")
+    print(f"  last state ready      {_stats([us(c[-1][1]) for c in units if c and c[-1][1]])}")
     landed = [us(r[4]) for r in rows if r[4]]
     if landed:
         print(f"  first state landed    {_stats(landed)}  (state-probe: waited on at once)")
@@ -246,6 +271,39 @@ def prefetch_second_wave(source: str) -> str:
         ),
         after=False,
     )
+
+
+def second_wave_after_inputs(source: str) -> str:
+    """Experiment: each CTA reads the slot of unit cta + ctas before the wait, and once its
+    first window's loads are out, L2-prefetches that state: the second wave's states (tickets
+    hand out units ctas..2 ctas - 1 first) stream while the first units compute, where the
+    HBM is otherwise idle, instead of from each CTA's first projection on."""
+    anchor = "    @cute.jit\n    def unit_meta("
+    source = source.replace(anchor, PREFETCH_METHOD.lstrip("\n") + "\n" + anchor)
+    source = _insert(
+        source,
+        "cute.arch.griddepcontrol_wait()",
+        (
+            "        wave2_slot = Int64(null_slot)\n"
+            "        if tid == 32:  # noqa: SIM102\n"
+            "            if cta + ctas < units:\n"
+            "                wave2_slot = Int64(slots[(cta + ctas) // H])"
+        ),
+        after=False,
+    )
+    issued = source.index(
+        ")  # fmt: skip\n",
+        source.index("self.load_activations(", source.index("ticket = Int32(0)")),
+    )
+    issued += len(")  # fmt: skip\n")
+    prefetch = (
+        "        if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)\n"
+        "            if wave2_slot > Int64(null_slot):\n"
+        "                self.prefetch_state(\n"
+        "                    tma_atom, tma_tensor, s_state, wave2_slot, (cta + ctas) % H\n"
+        "                )\n"
+    )
+    return source[:issued] + prefetch + source[issued:]
 
 
 def _replace_once(source: str, edits: list[tuple[str, str]], config: str, needs: str) -> str:
@@ -379,6 +437,44 @@ def own_window_prefetch(source: str) -> str:
     return _replace_once(source, edits, "own-window", needs)
 
 
+def query_start_prefetch(source: str) -> str:
+    """Experiment: launches of more than one wave prefetch, before griddepcontrol.wait, only
+    each CTA's first ``query_start`` line (and, with conv, its ``accepted`` line): the meta
+    whose round trip after the wait gates the first window's loads."""
+    line = "                prefetch_l2_line(at(tensors[8], cta // H))\n"
+    if "tensors[12]" in source:
+        line += "                prefetch_l2_line(at(tensors[12], cta // H))\n"
+    meta = "        else:\n            if tid == THREADS - 1:\n" + line
+    return _replace_once(
+        source,
+        [(INPUT_PREFETCH, INPUT_PREFETCH + meta)],
+        "qs-prefetch",
+        "a one-unit-per-CTA PDL variant (sm90_wgmma, no row split)",
+    )
+
+
+def first_lookahead_late(source: str, at_end: bool = False) -> str:
+    """Experiment: a CTA's first unit issues the next unit's input loads after its coupling
+    barrier (``at_end``: after its stores), not after its norms barrier, where its threads
+    stall until the ticket's meta (atomic, then ``slots`` and ``query_start``) returns;
+    later units keep the early issue."""
+    head = source.index("            # The registers are free")
+    end = source.index(")  # fmt: skip\n", head) + len(")  # fmt: skip\n")
+    block = source[head:end]
+    needs = "a one-warpgroup sm90_wgmma variant"
+    if block.count("            if nxt < units:\n") != 1:
+        raise SystemExit(f"trace: first-lookahead-late needs {needs}")
+    later = block.replace("if nxt < units:", "if (nxt < units) & (unit != cta):")
+    first = block.replace("if nxt < units:", "if (nxt < units) & (unit == cta):")
+    first = first.replace("# The registers are free", "# The first unit's look-ahead")
+    source = source[:head] + later + source[end:]
+    if at_end:  # after the unit's solve and stores
+        rotate = "            unit, nxt = nxt, after\n"
+        return _replace_once(source, [(rotate, first + rotate)], "first-lookahead-end", needs)
+    barrier = "            cute.arch.barrier()  # probes and coupling partials\n"
+    return _replace_once(source, [(barrier, barrier + first)], "first-lookahead-late", needs)
+
+
 def reads_only(source: str) -> str:
     """Timing bound, wrong outputs: every unit's reads (state, window, request) and none of
     its math or stores (no unit is live): how fast the reads alone stream."""
@@ -404,6 +500,26 @@ def without_stores(source: str) -> str:
     if len(wrapped) - len(lines) < 4:  # kg (k and g), out and corr
         raise SystemExit("trace: no-stores needs an sm90_wgmma variant")
     return "\n".join(wrapped)
+
+
+IO_STORES = """\
+            if valid & (qlen > 0):
+                for t in cutlass.range_constexpr(Q):
+                    if t < qlen:
+                        kg[record, head, t, c] = raw[1, t]
+                        kg[record, head, t, K + c] = g_raw[t]
+                        out[bos + t, head * K + c] = raw[0, t]
+                        corr[record, head, t, c] = raw[2, t].to(Float32)
+"""
+
+
+def io_only(source: str) -> str:
+    """Timing bound, wrong outputs: ``reads-only`` plus every store of a live unit (kg,
+    out, corr; values from the input registers): the memory traffic alone, in the kernel's
+    own pattern, with none of the math between the reads and the stores."""
+    null = "            if slot <= Int64(null_slot):\n"
+    edits = [(null, IO_STORES + null)]
+    return reads_only(_replace_once(source, edits, "io-only", "a one-warpgroup sm90_wgmma variant"))
 
 
 EVICT_FIRST = "Int64(0x12F0000000000000)"  # the L2 cache-hint operand of EVICT_FIRST
@@ -440,6 +556,7 @@ CONFIGS = {
     "staggered": lambda s: first_state_after_inputs(s, "cta >= 132"),
     "pf-after": prefetch_after,
     "pf-wave2": prefetch_second_wave,
+    "wave2-after-inputs": second_wave_after_inputs,
     "conv-bytes-only": conv_bytes_only,
     "conv-no-silu": conv_without_silu,
     "silu-no-test": silu_without_test,
@@ -449,6 +566,10 @@ CONFIGS = {
     "state-evict-first": state_evict_first,
     "reads-only": reads_only,
     "no-stores": without_stores,
+    "io-only": io_only,
+    "qs-prefetch": query_start_prefetch,
+    "first-lookahead-late": first_lookahead_late,
+    "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),
 }
 
 

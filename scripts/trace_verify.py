@@ -318,16 +318,20 @@ def _replace_once(source: str, edits: list[tuple[str, str]], config: str, needs:
 
 CONV_BF16 = "a bf16-tap conv variant (sm90_wgmma)"
 
-# v8's input prefetch as rendered: only in one-wave launches.
+# The prologue's input prefetch as rendered: v8's grid-wide one in one-wave launches, v11's
+# own first window in launches of more than two waves.
 INPUT_PREFETCH = (
     "        if units <= ctas:\n"
     "            self.prefetch_first_inputs(tensors, first_slot, null_slot)\n"
 )
+OWN_WINDOW = "        elif units > 2 * ctas:\n            self.prefetch_own_window(tensors)\n"
+GUARDED_PREFETCH = "a PDL variant with the guarded input prefetch (sm90_wgmma)"
 
 
 def _input_prefetch_as(source: str, replacement: str, config: str) -> str:
-    needs = "a PDL variant with the guarded input prefetch (sm90_wgmma)"
-    return _replace_once(source, [(INPUT_PREFETCH, replacement)], config, needs)
+    return _replace_once(
+        source, [(INPUT_PREFETCH + OWN_WINDOW, replacement)], config, GUARDED_PREFETCH
+    )
 
 
 def without_input_prefetch(source: str) -> str:
@@ -394,60 +398,26 @@ def silu_settled_kv(source: str) -> str:
     return _replace_once(source, [(SILU_DOUBT, doubt_kv)], "silu-settle-kv", CONV_BF16)
 
 
-OWN_WINDOW_METHOD = '''
-    @cute.jit
-    def prefetch_own_window(self, tensors: tuple):
-        """L2 prefetches, before griddepcontrol.wait, of this CTA's first unit's window at
-        its full-window place, rows [b Q, (b + 1) Q) of its head (right when every earlier
-        request holds Q tokens; a wrong guess only costs the bytes), and its query_start
-        line: the unit's own bytes, no more."""
-        acts, raw_g, raw_beta = tensors[:3]
-        tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        request, head = cta // H, cta % H
-        if tid < Q * 5:
-            row = cutlass.min(raw_g.shape[0] - 1, request * Q + tid // 5)
-            x = tid % 5
-            address = at(raw_beta, row, 0)
-            if x == 0:
-                address = at(acts[0], row, head * K)
-            if x == 1:
-                address = at(acts[1], row, head * K)
-            if x == 2:
-                address = at(acts[2], row, head * K)
-            if x == 3:
-                address = at(raw_g, row, head * K)
-            if x < 4:
-                prefetch_l2(address, K * 2)  # the head's K bf16
-            else:
-                prefetch_l2_line(address)  # beta: H bf16
-        if tid == THREADS - 1:
-            prefetch_l2_line(at(tensors[8], request))
-'''
-
-
 def own_window_prefetch(source: str) -> str:
-    """Experiment: launches of more than one wave prefetch, before griddepcontrol.wait,
-    each CTA's own first window (guessed at its full-window rows) and query_start line,
-    not v8's rows [0, R) shared over the grid (whose jobs late-entering CTAs issue late)."""
-    anchor = "    @cute.jit\n    def unit_meta("
-    own = INPUT_PREFETCH + "        else:\n            self.prefetch_own_window(tensors)\n"
-    edits = [(anchor, OWN_WINDOW_METHOD.lstrip("\n") + "\n" + anchor), (INPUT_PREFETCH, own)]
-    needs = "a PDL variant with the guarded input prefetch (sm90_wgmma)"
-    return _replace_once(source, edits, "own-window", needs)
+    """Experiment (v10; v11 ships it from three waves on): every launch of more than one
+    wave prefetches, before griddepcontrol.wait, each CTA's own first window (guessed at its
+    full-window rows) and query_start line, two-wave launches too."""
+    edit = (OWN_WINDOW, OWN_WINDOW.replace("elif units > 2 * ctas:", "else:"))
+    return _replace_once(source, [edit], "own-window", GUARDED_PREFETCH)
 
 
 def query_start_prefetch(source: str) -> str:
-    """Experiment: launches of more than one wave prefetch, before griddepcontrol.wait, only
-    each CTA's first ``query_start`` line (and, with conv, its ``accepted`` line): the meta
-    whose round trip after the wait gates the first window's loads."""
+    """Experiment: two-wave launches (those without v11's own-window prefetch) prefetch,
+    before griddepcontrol.wait, only each CTA's first ``query_start`` line (and, with conv,
+    its ``accepted`` line): the meta whose round trip after the wait gates the first
+    window's loads. (Measured on v10's render, where it applied to every multi-wave launch.)"""
     line = "                prefetch_l2_line(at(tensors[8], cta // H))\n"
     if "tensors[12]" in source:
         line += "                prefetch_l2_line(at(tensors[12], cta // H))\n"
     meta = "        else:\n            if tid == THREADS - 1:\n" + line
     return _replace_once(
         source,
-        [(INPUT_PREFETCH, INPUT_PREFETCH + meta)],
+        [(INPUT_PREFETCH + OWN_WINDOW, INPUT_PREFETCH + OWN_WINDOW + meta)],
         "qs-prefetch",
         "a one-unit-per-CTA PDL variant (sm90_wgmma, no row split)",
     )

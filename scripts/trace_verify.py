@@ -445,6 +445,141 @@ def first_lookahead_late(source: str, at_end: bool = False) -> str:
     return _replace_once(source, [(barrier, barrier + first)], "first-lookahead-late", needs)
 
 
+WINDOW_TMAS = """\
+        # tma-window: the window's q, k, v and g through TMA, one (Q, K) box per tensor.
+        window_sources = tuple(
+            cute.make_tensor(
+                ptr,
+                cute.make_layout(
+                    (tokens, H * K), stride=(cute.assume(act_stride, divby=8), 1)
+                ),
+            )
+            for ptr in (q_ptr, k_ptr, v_ptr)
+        ) + (row_major(raw_g_ptr, tokens, H * K),)
+        window_tmas = tuple(
+            cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), source,
+                cute.make_layout((Q, K), stride=(K, 1)), (Q, K),
+            )
+            for source in window_sources
+        )
+"""
+
+LOAD_WINDOW_METHOD = """\
+    @cute.jit
+    def load_window(self, window_tmas: tuple, s_window, window_full, bos, head, lane):
+        \"\"\"Warp-wide: TMA rows [bos, bos + Q) of the head's q, k, v and g into s_window.\"\"\"
+        barrier = window_full.iterator
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, 4 * Q * K * 2)
+        cute.arch.sync_warp()
+        for x in cutlass.range_constexpr(4):
+            atom, tensor = window_tmas[x]
+            g_window = cute.local_tile(
+                cute.domain_offset((bos, head * K), tensor), (Q, K), (0, 0)
+            )
+            t_smem, t_gmem = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1),
+                cute.group_modes(s_window[None, None, x], 0, 2),
+                cute.group_modes(g_window, 0, 2),
+            )
+            cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=barrier)
+
+"""
+
+WINDOW_FROM_SMEM = """\
+            if live:
+                cute.arch.mbarrier_wait(window_full.iterator, window_phase)
+                window_phase = window_phase ^ 1
+                for t in cutlass.range_constexpr(Q):
+                    for x in cutlass.range_constexpr(3):
+                        raw[x, t] = s_window[t, c, x]
+                    g_raw[t] = s_window[t, c, 3]
+"""
+
+
+def tma_window(source: str, late: bool = False) -> str:
+    """Experiment: each unit's window (q, k, v, g) arrives by TMA, four (Q, K) boxes on one
+    mbarrier issued by warp 0, instead of 4 Q loads per thread; the unit copies its channel
+    from shared memory at its top. The look-ahead is issued where v10 issues its loads
+    (after the norms barrier), or (``late``) with the next state after the projections
+    barrier, where the next unit's meta is known even for the first unit."""
+    needs = "a conv-off one-warpgroup sm90_wgmma variant without row split"
+    loads = (
+        "            for t in cutlass.range_constexpr(Q):\n"
+        "                row = bos + cutlass.min(t, qlen - 1)\n"
+        "                for x in cutlass.range_constexpr(3):\n"
+        "                    raw[x, t] = acts[x][row, head * K + c]\n"
+        "                g_raw[t] = raw_g[row, head * K + c]\n"
+    )
+    tma = (
+        "            if tid // 32 == 0:\n"
+        "                self.load_window(window_tmas, s_window, window_full, bos, head, tid % 32)\n"
+    )
+    edits = [
+        ("        activations = tuple(\n", WINDOW_TMAS + "        activations = tuple(\n"),
+        (
+            "            a_layout, b_layout,\n        ).launch(",
+            "            a_layout, b_layout, window_tmas,\n        ).launch(",
+        ),
+        (
+            "        b_layout: cute.ComposedLayout,\n    ):",
+            "        b_layout: cute.ComposedLayout,\n        window_tmas: tuple,\n    ):",
+        ),
+        (
+            "    @cute.jit\n    def unit_meta(",
+            LOAD_WINDOW_METHOD + "    @cute.jit\n    def unit_meta(",
+        ),
+        (
+            "        next_unit = alloc(smem, Int32, (1,))\n",
+            "        next_unit = alloc(smem, Int32, (1,))\n"
+            "        window_full = alloc(smem, Int64, (1,), align=8)\n"
+            "        s_window = smem.allocate_tensor(\n"
+            "            cutlass.BFloat16, cute.make_layout((Q, K, 4), stride=(K, 1, Q * K)),\n"
+            "            byte_alignment=128,\n"
+            "        )\n",
+        ),
+        (
+            "            cute.arch.mbarrier_init_fence()\n",
+            "            cute.arch.mbarrier_init(window_full.iterator, 1)\n"
+            "            cute.arch.mbarrier_init_fence()\n",
+        ),
+        (
+            "        gate_in: cute.Tensor,\n    ):  # fmt: skip",
+            "        gate_in: cute.Tensor, window_tmas: tuple, s_window: cute.Tensor,\n        window_full: cute.Tensor,\n    ):  # fmt: skip",
+        ),
+        (loads, tma),
+        (
+            "raw, g_raw, gate_in\n        )  # fmt: skip",
+            "raw, g_raw, gate_in, window_tmas, s_window,\n            window_full,\n        )  # fmt: skip",
+        ),
+        (
+            "                    gate_in,\n                )  # fmt: skip",
+            "                    gate_in, window_tmas, s_window, window_full,\n                )  # fmt: skip",
+        ),
+        (
+            "        state_phase = Int32(0)\n",
+            "        state_phase = Int32(0)\n        window_phase = Int32(0)\n",
+        ),
+        (
+            "            if live:\n                # ---- 2. Activations",
+            WINDOW_FROM_SMEM + "            if live:\n                # ---- 2. Activations",
+        ),
+    ]
+    source = _replace_once(source, edits, "tma-window", needs)
+    if late:
+        head = source.index("            # The registers are free")
+        end = source.index(")  # fmt: skip\n", head) + len(")  # fmt: skip\n")
+        block = source[head:end].replace(
+            "# The registers are free: the next unit's inputs load under this unit.",
+            "# The next unit's window and scalars, with its state.",
+        )
+        source = source[:head] + source[end:]
+        anchor = "            after_slot, after_bos, after_qlen = self.unit_meta(tensors, after, units)\n"
+        source = _replace_once(source, [(anchor, block + anchor)], "tma-window-late", needs)
+    return source
+
+
 def reads_only(source: str) -> str:
     """Timing bound, wrong outputs: every unit's reads (state, window, request) and none of
     its math or stores (no unit is live): how fast the reads alone stream."""
@@ -540,6 +675,8 @@ CONFIGS = {
     "qs-prefetch": query_start_prefetch,
     "first-lookahead-late": first_lookahead_late,
     "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),
+    "tma-window": tma_window,
+    "tma-window-late": lambda s: tma_window(s, late=True),
 }
 
 

@@ -501,7 +501,7 @@ WINDOW_FROM_SMEM = """\
 def tma_window(source: str, late: bool = False) -> str:
     """Experiment: each unit's window (q, k, v, g) arrives by TMA, four (Q, K) boxes on one
     mbarrier issued by warp 0, instead of 4 Q loads per thread; the unit copies its channel
-    from shared memory at its top. The look-ahead is issued where v10 issues its loads
+    from shared memory at its top. The look-ahead is issued where v11 issues its loads
     (after the norms barrier), or (``late``) with the next state after the projections
     barrier, where the next unit's meta is known even for the first unit."""
     needs = "a conv-off one-warpgroup sm90_wgmma variant without row split"

@@ -68,6 +68,29 @@ def _insert(source: str, anchor: str, text: str, after: bool = True, nth: int = 
     return "\n".join(lines[:at] + text.split("\n") + lines[at:])
 
 
+CALL_CLOSE = ")  # fmt: skip\n"  # the line that closes a multi-line call in a render
+
+
+def _call_end(source: str, start: int) -> int:
+    """Where the line after the multi-line call starting at ``start`` begins."""
+    return source.index(CALL_CLOSE, start) + len(CALL_CLOSE)
+
+
+def _first_load_end(source: str) -> int:
+    """Where the line after the first unit's ``load_activations`` call (before the loop)
+    begins."""
+    return _call_end(
+        source, source.index("self.load_activations(", source.index("ticket = Int32(0)"))
+    )
+
+
+def _lookahead_block(source: str) -> tuple[int, int]:
+    """Start and end of the block that issues the next unit's input loads (one warpgroup
+    per unit, after the norms barrier)."""
+    head = source.index("            # The registers are free")
+    return head, _call_end(source, head)
+
+
 def patch(source: str, base: int) -> str:
     """The rendered module with the trace records added."""
     helpers = HELPERS.format(base=base, slots=SLOTS, header=HEADER, units=UNITS)
@@ -93,8 +116,7 @@ def patch(source: str, base: int) -> str:
         "            trace_put(8, cute.arch.globaltimer())",
         after=False,
     )
-    meta_loaded = source.index(")  # fmt: skip\n", source.index("self.load_activations("))
-    meta_loaded += len(")  # fmt: skip\n")
+    meta_loaded = _call_end(source, source.index("self.load_activations("))
     source = (
         source[:meta_loaded]
         + "        trace_put(9, cute.arch.globaltimer())\n"
@@ -119,8 +141,7 @@ def patch(source: str, base: int) -> str:
         if f"cute.arch.barrier()  {anchor}" in source:
             source = _insert(source, f"cute.arch.barrier()  {anchor}", first_record.format(field))
     if "# The registers are free" in source:  # the look-ahead loads issued (addresses known)
-        issued = source.index(")  # fmt: skip\n", source.index("# The registers are free"))
-        issued += len(")  # fmt: skip\n")
+        issued = _lookahead_block(source)[1]
         source = source[:issued] + first_record.format(7) + "\n" + source[issued:]
     source = _insert(
         source, "cute.arch.barrier()  # projections", "            trace_unit(trace_n, 2)"
@@ -210,14 +231,13 @@ def first_state_after_inputs(source: str, guard: str = "") -> str:
     requested, instead of in the prologue; with ``guard``, only in CTAs where it holds (the
     others keep the prologue load)."""
     head = source.index(PROLOGUE_LOAD)
-    end = source.index(")  # fmt: skip\n", head) + len(")  # fmt: skip\n")
+    end = _call_end(source, head)
     block = source[head:end]
     late = block.replace("if warp == 0:", f"if (warp == 0){' & (' + guard + ')' if guard else ''}:")
     late = late.replace("first_slot", "slot")
     early = block.replace("if warp == 0:", f"if (warp == 0) & ~({guard}):") if guard else ""
     source = source[:head] + early + source[end:]
-    anchor = source.index("self.load_activations(", source.index("ticket = Int32(0)"))
-    anchor = source.index(")  # fmt: skip\n", anchor) + len(")  # fmt: skip\n")
+    anchor = _first_load_end(source)
     return source[:anchor] + late + source[anchor:]
 
 
@@ -291,11 +311,7 @@ def second_wave_after_inputs(source: str) -> str:
         ),
         after=False,
     )
-    issued = source.index(
-        ")  # fmt: skip\n",
-        source.index("self.load_activations(", source.index("ticket = Int32(0)")),
-    )
-    issued += len(")  # fmt: skip\n")
+    issued = _first_load_end(source)
     prefetch = (
         "        if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)\n"
         "            if wave2_slot > Int64(null_slot):\n"
@@ -428,8 +444,7 @@ def first_lookahead_late(source: str, at_end: bool = False) -> str:
     barrier (``at_end``: after its stores), not after its norms barrier, where its threads
     stall until the ticket's meta (atomic, then ``slots`` and ``query_start``) returns;
     later units keep the early issue."""
-    head = source.index("            # The registers are free")
-    end = source.index(")  # fmt: skip\n", head) + len(")  # fmt: skip\n")
+    head, end = _lookahead_block(source)
     block = source[head:end]
     needs = "a one-warpgroup sm90_wgmma variant"
     if block.count("            if nxt < units:\n") != 1:
@@ -568,8 +583,7 @@ def tma_window(source: str, late: bool = False) -> str:
     ]
     source = _replace_once(source, edits, "tma-window", needs)
     if late:
-        head = source.index("            # The registers are free")
-        end = source.index(")  # fmt: skip\n", head) + len(")  # fmt: skip\n")
+        head, end = _lookahead_block(source)
         block = source[head:end].replace(
             "# The registers are free: the next unit's inputs load under this unit.",
             "# The next unit's window and scalars, with its state.",

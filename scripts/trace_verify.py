@@ -241,6 +241,138 @@ def first_state_after_inputs(source: str, guard: str = "") -> str:
     return source[:anchor] + late + source[anchor:]
 
 
+COLD_FLAG_HELPERS = '''
+
+@cute.jit
+def mark_shared(address: Int32):
+    """A volatile store of 1 to a shared int32 flag (trace_verify.py: cold-after-inputs)."""
+    cute.arch.inline_ptx("st.volatile.shared.u32 [{{$r0}}], 1;", read_only_args=[address])
+
+
+@cute.jit
+def read_shared(address: Int32) -> Int32:
+    """A volatile load of a shared int32 flag (trace_verify.py: cold-after-inputs)."""
+    return cute.arch.inline_ptx(
+        "ld.volatile.shared.u32 {{$w0}}, [{{$r0}}];", write_only_types=[Int32], read_only_args=[address]
+    )
+
+'''
+
+
+def cold_after_inputs(source: str) -> str:
+    """Experiment: ``after-inputs`` only where the launch starts cold. Warps 1-3 mark a
+    shared flag once griddepcontrol.wait returns; warp 0 reads it when its first slot has
+    arrived (the read sits behind the slot's test, and a volatile load is not hoisted). Set:
+    no kernel ahead was still running, so the first state is requested after the first
+    unit's meta and window loads, which would otherwise queue behind every CTA's state.
+    Clear: the prologue load, under the kernel ahead, as shipped."""
+    source = _insert(source, "class Kda", COLD_FLAG_HELPERS.format(), after=False)
+    edits = [
+        (
+            "        next_unit = alloc(smem, Int32, (1,))\n",
+            "        next_unit = alloc(smem, Int32, (1,))\n        cold_flag = alloc(smem, Int32, (1,))\n",
+        ),
+        (
+            "            next_unit[0] = units  # past the end until a ticket names a unit\n",
+            "            next_unit[0] = units  # past the end until a ticket names a unit\n"
+            "            cold_flag[0] = 0\n",
+        ),
+        (
+            PROLOGUE_LOAD,
+            "        cold_word = Int32(0)\n"
+            "        if warp == 0:  # noqa: SIM102\n"
+            "            if first_slot > Int64(null_slot):\n"
+            "                cold_word = read_shared(shared_address(cold_flag.iterator))\n"
+            "        cold_start = cold_word != 0\n" + PROLOGUE_LOAD,
+        ),
+        (
+            LAUNCH_DEPENDENTS,
+            LAUNCH_DEPENDENTS
+            + "        if tid == 32:\n            mark_shared(shared_address(cold_flag.iterator))\n",
+        ),
+    ]
+    source = _replace_once(source, edits, "cold-after-inputs", "a one-stage PDL sm90_wgmma variant")
+    return first_state_after_inputs(source, "cold_start")
+
+
+def static_second(source: str) -> str:
+    """Experiment: each CTA's second unit is static (cta + ctas) and tickets name units from
+    2 ctas on, so the start has no atomic or barrier, and the second unit's request is read
+    with the first's (v10 measured this; its one-wave part is v10's code). Launches of up to
+    two waves take no ticket; from three on, exactly units - ctas are taken per launch (one
+    per CTA that has a second unit, then one per unit beyond; a CTA's first before the loop,
+    the rest at each later unit's top), and the taker of the last one resets the counter."""
+    pre_ticket = (
+        "        if units > ctas:  # noqa: SIM102 (traced: `and` does not combine traced values)\n"
+        "            if tid == 0:\n"
+        "                ticket = Int32(take_ticket(counter_address))\n"
+    )
+    pre_next = (
+        "        if units > ctas:\n"
+        "            if tid == 0:\n"
+        "                if ticket == units - 1:\n"
+        "                    reset_counter(counter_address)\n"
+        "                next_unit[0] = ticket + ctas\n"
+        "            cute.arch.barrier()\n"
+        "            nxt = next_unit[0]\n"
+    )
+    first_meta = "        slot, bos, qlen = self.unit_meta(tensors, unit, units)\n"
+    next_meta = "        next_slot, next_bos, next_qlen = self.unit_meta(tensors, nxt, units)\n"
+    edits = [
+        ("        ticket = Int32(0)\n        nxt = units\n", ""),
+        (pre_ticket, ""),
+        (pre_next, ""),
+        (next_meta, ""),
+        (
+            first_meta,
+            first_meta.replace("unit, units", "cta, units") + "        nxt = units\n"
+            "        if cta + ctas < units:\n"
+            "            nxt = cta + ctas\n" + next_meta + "        ticket = Int32(0)\n"
+            "        if tid == 0:  # noqa: SIM102\n"
+            "            if (nxt < units) & (units > 2 * ctas):\n"
+            "                ticket = Int32(take_ticket(counter_address))\n",
+        ),
+        (
+            "                if nxt < units:\n                    ticket = Int32(take_ticket(",
+            "                if (nxt < units) & (units > 2 * ctas) & (unit != cta):\n"
+            "                    ticket = Int32(take_ticket(",
+        ),
+        (
+            "                if nxt < units:\n                    if ticket == units - 1:\n",
+            "                if (nxt < units) & (units > 2 * ctas):\n"
+            "                    if ticket == units - ctas - 1:\n",
+        ),
+        (
+            "                    next_unit[0] = ticket + ctas\n",
+            "                    next_unit[0] = ticket + 2 * ctas\n",
+        ),
+    ]
+    return _replace_once(
+        source, edits, "static-second", "a one-warpgroup conv-off sm90_wgmma variant"
+    )
+
+
+def static_second_wave2(source: str, at_norms: bool = False) -> str:
+    """Experiment: ``static-second``, and each CTA's first unit L2-prefetches its second
+    unit's state (cta + ctas: the second wave) at its loop top, once every read the first
+    unit makes is out, or (``at_norms``) after its look-ahead loads: the second wave's states
+    stream while the first units compute, behind the first windows instead of ahead of them
+    (v11's ``wave2-after-inputs`` put them ahead of other CTAs' windows and the first units'
+    ticket and next-unit reads)."""
+    source = static_second(source)
+    anchor = "    @cute.jit\n    def unit_meta("
+    source = source.replace(anchor, PREFETCH_METHOD.lstrip("\n") + "\n" + anchor)
+    prefetch = (
+        "            if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)\n"
+        "                if (unit == cta) & (nxt < units) & (next_slot > Int64(null_slot)):\n"
+        "                    self.prefetch_state(tma_atom, tma_tensor, s_state, next_slot, nxt % H)\n"
+    )
+    if at_norms:
+        issued = _lookahead_block(source)[1]
+        return source[:issued] + prefetch + source[issued:]
+    return _insert(source, "while unit < units:", prefetch.rstrip("\n"))
+
+
 PREFETCH_METHOD = '''
     @cute.jit
     def prefetch_state(self, tma_atom, tma_tensor, s_state, slot, head):
@@ -673,6 +805,10 @@ CONFIGS = {
     "prefetch-after-wait": input_prefetch_after_wait,
     "after-inputs": first_state_after_inputs,
     "staggered": lambda s: first_state_after_inputs(s, "cta >= 132"),
+    "cold-after-inputs": cold_after_inputs,
+    "static-second": static_second,
+    "ss-wave2-top": static_second_wave2,
+    "ss-wave2-norms": lambda s: static_second_wave2(s, at_norms=True),
     "pf-after": prefetch_after,
     "pf-wave2": prefetch_second_wave,
     "wave2-after-inputs": second_wave_after_inputs,

@@ -108,7 +108,8 @@ def patch(source: str, base: int) -> str:
         source, "griddepcontrol_launch_dependents()", "        trace_t1 = cute.arch.globaltimer()"
     )
     # Before the loop: the first request's meta arrived (the window's addresses known), the
-    # window loads issued, and (multi-wave launches) the ticket barrier passed.
+    # window loads issued, and (renders before v12, multi-wave launches) the ticket barrier
+    # passed.
     source = _insert(
         source,
         "self.load_activations(",
@@ -293,84 +294,6 @@ def cold_after_inputs(source: str) -> str:
     ]
     source = _replace_once(source, edits, "cold-after-inputs", "a one-stage PDL sm90_wgmma variant")
     return first_state_after_inputs(source, "cold_start")
-
-
-def static_second(source: str) -> str:
-    """Experiment: each CTA's second unit is static (cta + ctas) and tickets name units from
-    2 ctas on, so the start has no atomic or barrier, and the second unit's request is read
-    with the first's (v10 measured this; its one-wave part is v10's code). Launches of up to
-    two waves take no ticket; from three on, exactly units - ctas are taken per launch (one
-    per CTA that has a second unit, then one per unit beyond; a CTA's first before the loop,
-    the rest at each later unit's top), and the taker of the last one resets the counter."""
-    pre_ticket = (
-        "        if units > ctas:  # noqa: SIM102 (traced: `and` does not combine traced values)\n"
-        "            if tid == 0:\n"
-        "                ticket = Int32(take_ticket(counter_address))\n"
-    )
-    pre_next = (
-        "        if units > ctas:\n"
-        "            if tid == 0:\n"
-        "                if ticket == units - 1:\n"
-        "                    reset_counter(counter_address)\n"
-        "                next_unit[0] = ticket + ctas\n"
-        "            cute.arch.barrier()\n"
-        "            nxt = next_unit[0]\n"
-    )
-    first_meta = "        slot, bos, qlen = self.unit_meta(tensors, unit, units)\n"
-    next_meta = "        next_slot, next_bos, next_qlen = self.unit_meta(tensors, nxt, units)\n"
-    edits = [
-        ("        ticket = Int32(0)\n        nxt = units\n", ""),
-        (pre_ticket, ""),
-        (pre_next, ""),
-        (next_meta, ""),
-        (
-            first_meta,
-            first_meta.replace("unit, units", "cta, units") + "        nxt = units\n"
-            "        if cta + ctas < units:\n"
-            "            nxt = cta + ctas\n" + next_meta + "        ticket = Int32(0)\n"
-            "        if tid == 0:  # noqa: SIM102\n"
-            "            if (nxt < units) & (units > 2 * ctas):\n"
-            "                ticket = Int32(take_ticket(counter_address))\n",
-        ),
-        (
-            "                if nxt < units:\n                    ticket = Int32(take_ticket(",
-            "                if (nxt < units) & (units > 2 * ctas) & (unit != cta):\n"
-            "                    ticket = Int32(take_ticket(",
-        ),
-        (
-            "                if nxt < units:\n                    if ticket == units - 1:\n",
-            "                if (nxt < units) & (units > 2 * ctas):\n"
-            "                    if ticket == units - ctas - 1:\n",
-        ),
-        (
-            "                    next_unit[0] = ticket + ctas\n",
-            "                    next_unit[0] = ticket + 2 * ctas\n",
-        ),
-    ]
-    return _replace_once(
-        source, edits, "static-second", "a one-warpgroup conv-off sm90_wgmma variant"
-    )
-
-
-def static_second_wave2(source: str, at_norms: bool = False) -> str:
-    """Experiment: ``static-second``, and each CTA's first unit L2-prefetches its second
-    unit's state (cta + ctas: the second wave) at its loop top, once every read the first
-    unit makes is out, or (``at_norms``) after its look-ahead loads: the second wave's states
-    stream while the first units compute, behind the first windows instead of ahead of them
-    (v11's ``wave2-after-inputs`` put them ahead of other CTAs' windows and the first units'
-    ticket and next-unit reads)."""
-    source = static_second(source)
-    anchor = "    @cute.jit\n    def unit_meta("
-    source = source.replace(anchor, PREFETCH_METHOD.lstrip("\n") + "\n" + anchor)
-    prefetch = (
-        "            if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)\n"
-        "                if (unit == cta) & (nxt < units) & (next_slot > Int64(null_slot)):\n"
-        "                    self.prefetch_state(tma_atom, tma_tensor, s_state, next_slot, nxt % H)\n"
-    )
-    if at_norms:
-        issued = _lookahead_block(source)[1]
-        return source[:issued] + prefetch + source[issued:]
-    return _insert(source, "while unit < units:", prefetch.rstrip("\n"))
 
 
 PREFETCH_METHOD = '''
@@ -806,9 +729,6 @@ CONFIGS = {
     "after-inputs": first_state_after_inputs,
     "staggered": lambda s: first_state_after_inputs(s, "cta >= 132"),
     "cold-after-inputs": cold_after_inputs,
-    "static-second": static_second,
-    "ss-wave2-top": static_second_wave2,
-    "ss-wave2-norms": lambda s: static_second_wave2(s, at_norms=True),
     "pf-after": prefetch_after,
     "pf-wave2": prefetch_second_wave,
     "wave2-after-inputs": second_wave_after_inputs,

@@ -494,6 +494,29 @@ def query_start_prefetch(source: str) -> str:
     )
 
 
+def second_meta_prefetch(source: str) -> str:
+    """Experiment (v12's render): multi-wave launches also prefetch, before
+    griddepcontrol.wait, the ``query_start`` and ``slots`` lines of each CTA's static second
+    unit (read right after the wait with the first's), and two-wave launches the first
+    unit's ``query_start`` line (which v11's own-window prefetch covers from three waves on)."""
+    second = "cutlass.min(cta + ctas, units - 1) // H"
+    lines = (
+        "        if units > ctas:\n"
+        "            if tid == THREADS - 2:\n"
+        f"                prefetch_l2_line(at(tensors[8], {second}))\n"
+        "            if tid == THREADS - 3:\n"
+        f"                prefetch_l2_line(at(tensors[9], {second}))\n"
+        "            if (tid == THREADS - 4) & (units <= 2 * ctas):\n"
+        "                prefetch_l2_line(at(tensors[8], cta // H))\n"
+    )
+    return _replace_once(
+        source,
+        [(INPUT_PREFETCH + OWN_WINDOW, INPUT_PREFETCH + OWN_WINDOW + lines)],
+        "second-meta-prefetch",
+        "a PDL variant (sm90_wgmma, no row split) of v12 on",
+    )
+
+
 def first_lookahead_late(source: str, at_end: bool = False) -> str:
     """Experiment: a CTA's first unit issues the next unit's input loads after its coupling
     barrier (``at_end``: after its stores), not after its norms barrier, where its threads
@@ -743,6 +766,7 @@ CONFIGS = {
     "no-stores": without_stores,
     "io-only": io_only,
     "qs-prefetch": query_start_prefetch,
+    "second-meta-prefetch": second_meta_prefetch,
     "first-lookahead-late": first_lookahead_late,
     "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),
     "tma-window": tma_window,

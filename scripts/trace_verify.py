@@ -107,9 +107,8 @@ def patch(source: str, base: int) -> str:
     source = _insert(
         source, "griddepcontrol_launch_dependents()", "        trace_t1 = cute.arch.globaltimer()"
     )
-    # Before the loop: the first request's meta arrived (the window's addresses known), the
-    # window loads issued, and (renders before v12, multi-wave launches) the ticket barrier
-    # passed.
+    # Before the loop: the first request's meta arrived (the window's addresses known) and
+    # the window loads issued. (Field 10 held v11's ticket barrier; v12 has none.)
     source = _insert(
         source,
         "self.load_activations(",
@@ -123,12 +122,6 @@ def patch(source: str, base: int) -> str:
         + "        trace_put(9, cute.arch.globaltimer())\n"
         + source[meta_loaded:]
     )
-    if "            nxt = next_unit[0]" in source:
-        source = _insert(
-            source,
-            "            nxt = next_unit[0]",
-            "            trace_put(10, cute.arch.globaltimer())",
-        )
     source = _insert(source, "while unit < units:", "            trace_unit(trace_n, 0)")
     source = _insert(
         source, "cute.arch.mbarrier_wait(state_full", "                trace_unit(trace_n, 1)"
@@ -197,7 +190,7 @@ def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) 
     print("  (min / median / p90 / max, us from the first CTA's entry)")
     print(f"  entry                 {_stats([us(r[0]) for r in rows])}")
     print(f"  griddepcontrol.wait   {_stats([us(r[1]) for r in rows])}")
-    for label, field in (("meta arrived", 8), ("window issued", 9), ("ticket barrier", 10)):
+    for label, field in (("meta arrived", 8), ("window issued", 9)):
         if any(r[field] for r in rows):
             print(f"  {label:<21} {_stats([us(r[field]) for r in rows if r[field]])}")
     print(f"  first loop top        {_stats([us(c[0][0]) for c in units if c])}")
@@ -247,14 +240,14 @@ COLD_FLAG_HELPERS = '''
 @cute.jit
 def mark_shared(address: Int32):
     """A volatile store of 1 to a shared int32 flag (trace_verify.py: cold-after-inputs)."""
-    cute.arch.inline_ptx("st.volatile.shared.u32 [{{$r0}}], 1;", read_only_args=[address])
+    cute.arch.inline_ptx("st.volatile.shared.u32 [{$r0}], 1;", read_only_args=[address])
 
 
 @cute.jit
 def read_shared(address: Int32) -> Int32:
     """A volatile load of a shared int32 flag (trace_verify.py: cold-after-inputs)."""
     return cute.arch.inline_ptx(
-        "ld.volatile.shared.u32 {{$w0}}, [{{$r0}}];", write_only_types=[Int32], read_only_args=[address]
+        "ld.volatile.shared.u32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[address]
     )
 
 '''
@@ -267,7 +260,7 @@ def cold_after_inputs(source: str) -> str:
     no kernel ahead was still running, so the first state is requested after the first
     unit's meta and window loads, which would otherwise queue behind every CTA's state.
     Clear: the prologue load, under the kernel ahead, as shipped."""
-    source = _insert(source, "class Kda", COLD_FLAG_HELPERS.format(), after=False)
+    source = _insert(source, "class Kda", COLD_FLAG_HELPERS, after=False)
     edits = [
         (
             "        next_unit = alloc(smem, Int32, (1,))\n",
@@ -296,33 +289,16 @@ def cold_after_inputs(source: str) -> str:
     return first_state_after_inputs(source, "cold_start")
 
 
-PREFETCH_METHOD = '''
-    @cute.jit
-    def prefetch_state(self, tma_atom, tma_tensor, s_state, slot, head):
-        """An L2 prefetch of state (slot, head) through the TMA descriptor. Call it from one
-        thread: unlike the TMA load, the DSL's prefetch does not elect a lane."""
-        box = (Int32(slot) * H + head) * (K // ROWS)
-        g_state = cute.local_tile(tma_tensor, (ROWS, K), (box, 0))
-        _, t_gmem = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1),
-            cute.group_modes(s_state, 0, 2), cute.group_modes(g_state, 0, 2),
-        )
-        cute.prefetch(tma_atom, t_gmem)
-'''
-
-
 def prefetch_after(source: str) -> str:
     """Experiment: at the end of each unit, an L2 prefetch of the state of the unit after
     next (its TMA load is issued a unit later), so the state stream runs a unit deeper."""
-    anchor = "    @cute.jit\n    def unit_meta("
-    source = source.replace(anchor, PREFETCH_METHOD.lstrip("\n") + "\n" + anchor)
     lines = source.split("\n")
     at = next(i for i, line in enumerate(lines) if "unit, nxt = nxt, after" in line)
     lines[at:at] = [
         "            if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)",
         "                if (after < units) & (after_slot > Int64(null_slot)):",
         "                    self.prefetch_state(",
-        "                        tma_atom, tma_tensor, s_state, after_slot, after % H",
+        "                        tma_atom, tma_tensor, s_state, after_slot, after % H, 0",
         "                    )",
     ]
     return "\n".join(lines)
@@ -341,7 +317,7 @@ def prefetch_second_wave(source: str) -> str:
             "                wave2_slot = Int64(slots[(cta + ctas) // H])\n"
             "                if wave2_slot > Int64(null_slot):\n"
             "                    self.prefetch_state(\n"
-            "                        tma_atom, tma_tensor, s_state, wave2_slot, (cta + ctas) % H\n"
+            "                        tma_atom, tma_tensor, s_state, wave2_slot, (cta + ctas) % H, 0\n"
             "                    )"
         ),
         after=False,
@@ -353,8 +329,6 @@ def second_wave_after_inputs(source: str) -> str:
     first window's loads are out, L2-prefetches that state: the second wave's states (tickets
     hand out units ctas..2 ctas - 1 first) stream while the first units compute, where the
     HBM is otherwise idle, instead of from each CTA's first projection on."""
-    anchor = "    @cute.jit\n    def unit_meta("
-    source = source.replace(anchor, PREFETCH_METHOD.lstrip("\n") + "\n" + anchor)
     source = _insert(
         source,
         "cute.arch.griddepcontrol_wait()",
@@ -371,7 +345,7 @@ def second_wave_after_inputs(source: str) -> str:
         "        if tid == 32:  # noqa: SIM102 (one thread: a prefetch does not elect)\n"
         "            if wave2_slot > Int64(null_slot):\n"
         "                self.prefetch_state(\n"
-        "                    tma_atom, tma_tensor, s_state, wave2_slot, (cta + ctas) % H\n"
+        "                    tma_atom, tma_tensor, s_state, wave2_slot, (cta + ctas) % H, 0\n"
         "                )\n"
     )
     return source[:issued] + prefetch + source[issued:]

@@ -468,6 +468,26 @@ def query_start_prefetch(source: str) -> str:
     )
 
 
+def beta_at_load(source: str) -> str:
+    """Baseline (v12's placement): the raw beta converted to fp32 as it is loaded, so warp 0
+    waits at the end of each look-ahead for the beta's round trip (v13 converts at use)."""
+    return _replace_once(
+        source,
+        [
+            (
+                "beta_raw = cute.make_rmem_tensor((1,), cutlass.BFloat16)",
+                "beta_raw = cute.make_rmem_tensor((1,), Float32)",
+            ),
+            (
+                "beta_raw[0] = raw_beta[bos + tid, head]\n",
+                "beta_raw[0] = raw_beta[bos + tid, head].to(Float32)\n",
+            ),
+        ],
+        "beta-at-load",
+        "a v13 sm90_wgmma render",
+    )
+
+
 def second_meta_prefetch(source: str) -> str:
     """Experiment (v12's render): multi-wave launches also prefetch, before
     griddepcontrol.wait, the ``query_start`` and ``slots`` lines of each CTA's static second
@@ -655,17 +675,17 @@ def tma_window(source: str, late: bool = False) -> str:
             "            cute.arch.mbarrier_init_fence()\n",
         ),
         (
-            "        gate_in: cute.Tensor,\n    ):  # fmt: skip",
-            "        gate_in: cute.Tensor, window_tmas: tuple, s_window: cute.Tensor,\n        window_full: cute.Tensor,\n    ):  # fmt: skip",
+            "        gate_in: cute.Tensor, beta_raw: cute.Tensor,\n    ):  # fmt: skip",
+            "        gate_in: cute.Tensor, beta_raw: cute.Tensor, window_tmas: tuple, s_window: cute.Tensor,\n        window_full: cute.Tensor,\n    ):  # fmt: skip",
         ),
         (loads, tma),
         (
-            "raw, g_raw, gate_in\n        )  # fmt: skip",
-            "raw, g_raw, gate_in, window_tmas, s_window,\n            window_full,\n        )  # fmt: skip",
+            "gate_in,\n            beta_raw,\n        )  # fmt: skip",
+            "gate_in,\n            beta_raw, window_tmas, s_window, window_full,\n        )  # fmt: skip",
         ),
         (
-            "                    gate_in,\n                )  # fmt: skip",
-            "                    gate_in, window_tmas, s_window, window_full,\n                )  # fmt: skip",
+            "                    gate_in, beta_raw,\n                )  # fmt: skip",
+            "                    gate_in, beta_raw, window_tmas, s_window, window_full,\n                )  # fmt: skip",
         ),
         (
             "        state_phase = Int32(0)\n",
@@ -784,6 +804,7 @@ CONFIGS = {
     "io-only": io_only,
     "qs-prefetch": query_start_prefetch,
     "second-meta-prefetch": second_meta_prefetch,
+    "beta-at-load": beta_at_load,
     "second-window-prefetch": second_window_prefetch,
     "first-lookahead-late": first_lookahead_late,
     "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),

@@ -488,6 +488,49 @@ def beta_at_load(source: str) -> str:
     )
 
 
+def lazy_meta(source: str) -> str:
+    """Experiment (v13's render): ``unit_meta`` returns a request's raw ``query_start[r + 1]``
+    (and, with conv, its raw accepted count), and each unit's qlen (and conv history row) is
+    derived where it is used: at the look-ahead and at the rotation a unit later. As rendered,
+    the subtraction for the unit after next sits at the end of the loop body, so every warp
+    waits there for that request's reads, issued after the projections barrier."""
+    needs = "a one-stage sm90_wgmma render with v13's meta rotation"
+    conv = "next_first" in source
+    edits = [
+        (
+            "        qlen = query_start[request + 1] - bos\n",
+            "        qlen = query_start[request + 1]  # lazy-meta: the end; callers subtract bos\n",
+        ),
+        (
+            "tensors, next_slot, next_bos, next_qlen,",
+            "tensors, next_slot, next_bos, next_qlen - next_bos,",
+        ),
+    ]
+    first, rotate = (
+        "slot, bos, qlen = self.unit_meta(",
+        "slot, bos, qlen = next_slot, next_bos, next_qlen",
+    )
+    if conv:
+        edits += [
+            (
+                "first = tensors[12][request] - 1  # accepted tokens - 1",
+                "first = tensors[12][request]",
+            ),
+            ("next_qlen - next_bos, next_first,", "next_qlen - next_bos, next_first - 1,"),
+        ]
+        first = "slot, bos, qlen, first = self.unit_meta("
+        rotate = "slot, bos, qlen, first = next_slot, next_bos, next_qlen, next_first"
+    source = _replace_once(source, edits, "lazy-meta", needs)
+    head = source.index("        " + first)
+    end = source.index("\n", head) + 1
+    fix = "        qlen = qlen - bos\n" + ("        first = first - 1\n" if conv else "")
+    source = source[:end] + fix + source[end:]
+    derived = rotate.replace("next_qlen", "next_qlen - next_bos")
+    if conv:
+        derived = derived.replace("next_first", "next_first - 1")
+    return _replace_once(source, [(rotate + "\n", derived + "\n")], "lazy-meta", needs)
+
+
 def second_meta_prefetch(source: str) -> str:
     """Experiment (v12's render): multi-wave launches also prefetch, before
     griddepcontrol.wait, the ``query_start`` and ``slots`` lines of each CTA's static second
@@ -805,6 +848,7 @@ CONFIGS = {
     "qs-prefetch": query_start_prefetch,
     "second-meta-prefetch": second_meta_prefetch,
     "beta-at-load": beta_at_load,
+    "lazy-meta": lazy_meta,
     "second-window-prefetch": second_window_prefetch,
     "first-lookahead-late": first_lookahead_late,
     "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),

@@ -554,49 +554,6 @@ def second_meta_prefetch(source: str) -> str:
     )
 
 
-UNIT_WINDOW_PREFETCH = """
-    @cute.jit
-    def prefetch_unit_window(self, tensors: tuple, bos: Int32, qlen: Int32, head: Int32):
-        \"\"\"L2 prefetches of one unit's window: q, k, v and g of its head, and beta, for
-        its qlen tokens (trace_verify.py: second-window-prefetch).\"\"\"
-        acts, raw_g, raw_beta = tensors[:3]
-        tid, _, _ = cute.arch.thread_idx()
-        if tid < Q * 5:  # (token, tensor) pairs
-            t, x = tid // 5, tid % 5
-            if t < qlen:
-                row = bos + t
-                address = at(raw_beta, row, 0)
-                if x == 0:
-                    address = at(acts[0], row, head * K)
-                if x == 1:
-                    address = at(acts[1], row, head * K)
-                if x == 2:
-                    address = at(acts[2], row, head * K)
-                if x == 3:
-                    address = at(raw_g, row, head * K)
-                if x < 4:
-                    prefetch_l2(address, K * 2)
-                else:
-                    prefetch_l2_line(address)
-"""
-
-
-def second_window_prefetch(source: str) -> str:
-    """Experiment (v12's render): right after the first window's loads are issued, each CTA
-    L2-prefetches its static second unit's window (its request is read with the first's),
-    so the first unit's look-ahead loads, issued after its norms barrier, hit L2. v12's
-    trace has them taking 1.3 us to issue (2.5 at the 90th percentile) while every CTA's go
-    to HBM at once."""
-    anchor = "    @cute.jit\n    def unit_meta("
-    source = source.replace(anchor, UNIT_WINDOW_PREFETCH.lstrip("\n") + "\n" + anchor)
-    issued = _first_load_end(source)
-    prefetch = (
-        "        if (nxt < units) & (next_slot > Int64(null_slot)):\n"
-        "            self.prefetch_unit_window(tensors, next_bos, next_qlen, nxt % H)\n"
-    )
-    return source[:issued] + prefetch + source[issued:]
-
-
 def first_lookahead_late(source: str, at_end: bool = False) -> str:
     """Experiment: a CTA's first unit issues the next unit's input loads after its coupling
     barrier (``at_end``: after its stores), not after its norms barrier, where its threads
@@ -849,7 +806,6 @@ CONFIGS = {
     "second-meta-prefetch": second_meta_prefetch,
     "beta-at-load": beta_at_load,
     "lazy-meta": lazy_meta,
-    "second-window-prefetch": second_window_prefetch,
     "first-lookahead-late": first_lookahead_late,
     "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),
     "tma-window": tma_window,

@@ -20,6 +20,7 @@ cases on each patched build. Only ``sm90_wgmma`` variants with one stage take th
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -488,6 +489,44 @@ def beta_at_load(source: str) -> str:
     )
 
 
+# v14's lane-parallel inverse norms, as rendered (one-warpgroup and two-warpgroup slots).
+INVERSE_NORMS = re.compile(
+    r" +# Each lane totals one squared norm.*?\)  # q's scale folded in\n", re.DOTALL
+)
+SHUFFLED_NORM = re.compile(
+    r"(?P<x>[qk])_n = (?P=x)v\[(?P<slot>\w)\] \* cute\.arch\.shuffle_sync\(inv_norm, .*?\)\n"
+)
+
+
+def v13_probes(source: str) -> str:
+    """Baseline (v13's probes): every thread sums each token's squared norms over the 4
+    channel quarters and takes both rsqrt itself, and w_t takes a second accurate exp,
+    exp(-G), where v14 shuffles a lane's inverse norm and takes 1 / exp(G)."""
+    needs = "a v14 sm90_wgmma render"
+    if len(INVERSE_NORMS.findall(source)) != 1:
+        raise SystemExit(f"trace: v13-probes needs {needs}")
+    source = INVERSE_NORMS.sub("", source)
+
+    def per_thread(match: re.Match) -> str:
+        x, slot = match["x"], match["slot"]
+        index = f"2 * {slot}" + (" + 1" if x == "k" else "")
+        scale = " * Float32(K**-0.5)" if x == "q" else ""
+        pairs = [f"norms[{a}, {index}] + norms[{a + 1}, {index}]" for a in (0, 2)]
+        total = f"({pairs[0]}) + ({pairs[1]})"
+        return f"s{x} = {total}\n{' ' * 20}{x}_n = {x}v[{slot}] * cute.math.rsqrt(s{x} + Float32(1e-6), fastmath=True){scale}\n"
+
+    source, count = SHUFFLED_NORM.subn(per_thread, source)
+    if count != 2:
+        raise SystemExit(f"trace: v13-probes needs {needs}")
+    slot = "j" if "logs[j]" in source else "t"
+    return _replace_once(
+        source,
+        [("cute.arch.rcp_approx(decay) * k_n,", f"cute.math.exp(-logs[{slot}]) * k_n,")],
+        "v13-probes",
+        needs,
+    )
+
+
 def lazy_meta(source: str) -> str:
     """Experiment (v13's render): ``unit_meta`` returns a request's raw ``query_start[r + 1]``
     (and, with conv, its raw accepted count), and each unit's qlen (and conv history row) is
@@ -805,6 +844,7 @@ CONFIGS = {
     "qs-prefetch": query_start_prefetch,
     "second-meta-prefetch": second_meta_prefetch,
     "beta-at-load": beta_at_load,
+    "v13-probes": v13_probes,
     "lazy-meta": lazy_meta,
     "first-lookahead-late": first_lookahead_late,
     "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),

@@ -513,7 +513,8 @@ def v13_probes(source: str) -> str:
         scale = " * Float32(K**-0.5)" if x == "q" else ""
         pairs = [f"norms[{a}, {index}] + norms[{a + 1}, {index}]" for a in (0, 2)]
         total = f"({pairs[0]}) + ({pairs[1]})"
-        return f"s{x} = {total}\n{' ' * 20}{x}_n = {x}v[{slot}] * cute.math.rsqrt(s{x} + Float32(1e-6), fastmath=True){scale}\n"
+        inverse = f"cute.math.rsqrt(s{x} + Float32(1e-6), fastmath=True)"
+        return f"s{x} = {total}\n{' ' * 20}{x}_n = {x}v[{slot}] * {inverse}{scale}\n"
 
     source, count = SHUFFLED_NORM.subn(per_thread, source)
     if count != 2:

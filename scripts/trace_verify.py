@@ -503,9 +503,9 @@ def v13_probes(source: str) -> str:
     channel quarters and takes both rsqrt itself, and w_t takes a second accurate exp,
     exp(-G), where v14 shuffles a lane's inverse norm and takes 1 / exp(G)."""
     needs = "a v14 sm90_wgmma render"
-    if len(INVERSE_NORMS.findall(source)) != 1:
+    source, found = INVERSE_NORMS.subn("", source)
+    if found != 1:
         raise SystemExit(f"trace: v13-probes needs {needs}")
-    source = INVERSE_NORMS.sub("", source)
 
     def per_thread(match: re.Match) -> str:
         x, slot = match["x"], match["slot"]

@@ -408,7 +408,9 @@ def input_prefetch_after_wait(source: str) -> str:
 
 
 CONV_MATH = "                # Each channel block's Q outputs take the fast SiLU"
-CONV_MATH_END = "                cum = Float32(0)\n"
+# v16's first line after the conv (the running decay's start), where the conv math ends.
+RUNNING_DECAY = "                decay = Float32(1)  # exp(G_t), a running product (v16)\n"
+CONV_MATH_END = RUNNING_DECAY
 
 
 def conv_bytes_only(source: str) -> str:
@@ -821,6 +823,40 @@ def probe_first_state(source: str) -> str:
     return _replace_once(source, [edit], "state-probe", "a PDL variant (sm90_wgmma)")
 
 
+def balanced_grid(source: str) -> str:
+    """Experiment: the grid keeps the launch's number of waves but spreads the units over
+    them evenly (3072 units on 384 CTAs, 8 each, not 396 with a last wave of 300), so no
+    CTA of a full last wave waits on a partial one."""
+    grid = "            grid=(cutlass.min(units, CTAS), 1, 1),\n"
+    even = (
+        "            grid=((units + (units + CTAS - 1) // CTAS - 1)\n"
+        "                  // ((units + CTAS - 1) // CTAS), 1, 1),\n"
+    )
+    return _replace_once(source, [(grid, even)], "balanced-grid", "an sm90_wgmma variant")
+
+
+def accurate_decay(source: str) -> str:
+    """Baseline: v14's decays, one accurate exp of the cumulative log decay per token,
+    in place of v16's running product of approximate exps (one-warpgroup renders)."""
+    edits = [
+        (RUNNING_DECAY, "                cum = Float32(0)\n"),
+        (
+            "                step_scale = lower_bound * Float32(1.4426950408889634)  # ex2 of gate log2(e)\n",
+            "",
+        ),
+        (
+            "                    decay = decay * cute.math.exp2(step_scale * gate, fastmath=True)\n"
+            "                    decays[t] = decay\n",
+            "                    cum = cum + lower_bound * gate\n                    decays[t] = cum\n",
+        ),
+        (
+            "                    decay = decays[t]\n",
+            "                    decay = cute.math.exp(decays[t])\n",
+        ),
+    ]
+    return _replace_once(source, edits, "accurate-decay", "a one-warpgroup sm90_wgmma variant")
+
+
 CONFIGS = {
     "prologue": lambda s: s,
     "no-prefetch": without_input_prefetch,
@@ -851,6 +887,8 @@ CONFIGS = {
     "first-lookahead-end": lambda s: first_lookahead_late(s, at_end=True),
     "tma-window": tma_window,
     "tma-window-late": lambda s: tma_window(s, late=True),
+    "balanced-grid": balanced_grid,
+    "accurate-decay": accurate_decay,
 }
 
 

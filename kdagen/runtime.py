@@ -19,6 +19,13 @@ import torch
 from kdagen.validate import KdaInputError, check_scalar, check_state, check_tensor
 from kdagen.variant import Variant
 
+# verify's bound on |Q x lower_bound|. The window's log decay G_t reaches Q x lower_bound when
+# every gate saturates; the kernels scale the probes by exp(G) and the w rows by exp(-G), so
+# the probes' bf16 low halves must stay normal fp32 numbers. Measured on the H200 with every
+# gate saturated (H 12, Q 8): out rel-L2 8.6e-5 at G = -72 (5.6e-5 at -40), 2.7e-4 at -80,
+# 3.1e-2 at -86.4 and NaN at -96 (exp(G) flushed to zero).
+MAX_LOG_DECAY = 72.0
+
 
 def device_arch(device: torch.device | None = None) -> str:
     major, minor = torch.cuda.get_device_capability(device)
@@ -413,6 +420,11 @@ def validate_verify(
     check_tensor(op, "dt_bias", dt_bias, dims=[heads * 128], dtypes=[torch.float32],
                  device=device)  # fmt: skip
     check_scalar(op, "lower_bound", lower_bound, float, negative=True)
+    if lower_bound * window < -MAX_LOG_DECAY:
+        raise KdaInputError(
+            f"{op}: `lower_bound` x Q must be >= -{MAX_LOG_DECAY:g} (the window's log decay "
+            f"and its exp must stay inside fp32's normal range), got {lower_bound:g} x {window}"
+        )
     check_scalar(op, "null_slot", null_slot, int)
     conv = _check_conv(
         op, conv_state, conv_w, accepted, conv_dim_first, heads=heads, window=window,

@@ -69,6 +69,31 @@ def test_vllm_entry_point_rejects_the_unbounded_gate() -> None:
                               inputs["query_start"], inputs["slots"], Q)  # fmt: skip
 
 
+def test_the_steepest_allowed_decay_keeps_the_check_bounds() -> None:
+    """Every gate saturated at the lowest lower_bound verify accepts (Q x lower_bound = -72):
+    the log decay reaches the guard's limit, where the probes' low halves are nearest to
+    flushing; out and corr must still meet the check's bounds against the fp64 reference."""
+    from kdagen.check_verify import MAX_RMS, REL_L2
+    from kdagen.runtime import MAX_LOG_DECAY
+
+    window, batch = 8, 6
+    inputs = make_verify_inputs(batch, H, window, device="cuda", ragged=False, nulls=False,
+                                lower_bound=-MAX_LOG_DECAY / window, seed=SEED)  # fmt: skip
+    inputs["raw_g"].fill_(8.0)  # sigmoid ~ 1: G_t = (t + 1) lower_bound
+    expected = {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                for k, v in clone_inputs(inputs).items()}  # fmt: skip
+    reference.verify(**verify_args(expected))  # fp64, into expected's out, corr, kg
+    verify(**verify_args(inputs))
+    torch.cuda.synchronize()
+    written = {"out": slice(None), "corr": slice(0, batch)}  # corr's spare row stays poisoned
+    for name, rows in written.items():
+        got, want = inputs[name][rows].float().cpu(), expected[name][rows].float()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= REL_L2[name], f"seed {SEED}: {name} rel-L2 {rel:.2e}"
+    worst = ((got - want).abs().max() / want.pow(2).mean().sqrt()).item()
+    assert worst <= MAX_RMS["corr"], f"seed {SEED}: corr max element {worst:.2e} of the rms"
+
+
 @pytest.mark.parametrize("conv", [False, True])
 def test_default_dispatch_passes_the_check(conv: bool) -> None:
     """variant=None: the built-in heuristic's choice for this GPU, through the full check."""

@@ -58,6 +58,7 @@ def test_good_conv_inputs_pick_the_conv_contract() -> None:
         (lambda x: {"query_start": x["query_start"].long()}, "`query_start` must be int32"),
         (lambda x: {"a_log": x["a_log"][:1]}, "`a_log` must have shape [2]"),
         (lambda x: {"lower_bound": 5.0}, "`lower_bound` must be negative"),
+        (lambda x: {"lower_bound": -19.0}, "`lower_bound` x Q must be >= -72"),
         (
             lambda x: {"v": x["qkv"][:, :256].clone()[:, :256:1].t().contiguous().t()},
             "`v` must have contiguous rows and the row stride of `q`",
@@ -69,6 +70,10 @@ def test_bad_inputs_name_the_tensor(change, message: str) -> None:
     inputs = _inputs()
     with pytest.raises(KdaInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
         _validate(inputs, **change(inputs))
+
+
+def test_the_steepest_allowed_lower_bound_passes() -> None:
+    assert _validate(_inputs(), lower_bound=-72.0 / Q).batch == 7
 
 
 def test_conv_tensors_come_all_or_none() -> None:

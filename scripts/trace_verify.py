@@ -824,9 +824,9 @@ def probe_first_state(source: str) -> str:
 
 
 def balanced_grid(source: str) -> str:
-    """Experiment: the grid keeps the launch's number of waves but spreads the units over
-    them evenly (3072 units on 384 CTAs, 8 each, not 396 with a last wave of 300), so no
-    CTA of a full last wave waits on a partial one."""
+    """Experiment (measured, not kept: v16 in the perf notes): the grid keeps the launch's
+    number of waves but spreads the units over them evenly (3072 units on 384 CTAs, 8 each,
+    instead of 396 CTAs whose last wave has 300 units)."""
     grid = "            grid=(cutlass.min(units, CTAS), 1, 1),\n"
     even = (
         "            grid=((units + (units + CTAS - 1) // CTAS - 1)\n"

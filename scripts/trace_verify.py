@@ -501,11 +501,12 @@ SHUFFLED_NORM = re.compile(
 
 
 def v13_probes(source: str) -> str:
-    """Baseline (v13's probes): every thread sums each token's squared norms over the 4
-    channel quarters and takes both rsqrt itself, and w_t takes a second accurate exp,
-    exp(-G), where v14 shuffles a lane's inverse norm and takes 1 / exp(G)."""
-    needs = "a v14 sm90_wgmma render"
-    source, found = INVERSE_NORMS.subn("", source)
+    """Baseline (v13's probes, on ``accurate-decay``'s v14 decays): every thread sums each
+    token's squared norms over the 4 channel quarters and takes both rsqrt itself, and w_t
+    takes a second accurate exp, exp(-G), where v14 shuffles a lane's inverse norm and takes
+    1 / exp(G)."""
+    needs = "a v16 sm90_wgmma render"
+    source, found = INVERSE_NORMS.subn("", accurate_decay(source))  # v13's decays too
     if found != 1:
         raise SystemExit(f"trace: v13-probes needs {needs}")
 
@@ -521,10 +522,10 @@ def v13_probes(source: str) -> str:
     source, count = SHUFFLED_NORM.subn(per_thread, source)
     if count != 2:
         raise SystemExit(f"trace: v13-probes needs {needs}")
-    slot = "j" if "logs[j]" in source else "t"
+    slot = "j" if "decays[j]" in source else "t"
     return _replace_once(
         source,
-        [("cute.arch.rcp_approx(decay) * k_n,", f"cute.math.exp(-logs[{slot}]) * k_n,")],
+        [("cute.arch.rcp_approx(decay) * k_n,", f"cute.math.exp(-decays[{slot}]) * k_n,")],
         "v13-probes",
         needs,
     )
@@ -836,8 +837,9 @@ def balanced_grid(source: str) -> str:
 
 
 def accurate_decay(source: str) -> str:
-    """Baseline: v14's decays, one accurate exp of the cumulative log decay per token,
-    in place of v16's running product of approximate exps (one-warpgroup renders)."""
+    """Baseline: v14's decays, one accurate exp of the cumulative log decay per token
+    (``decays`` then holds G), in place of v16's running product of approximate exps."""
+    needs = "a v16 sm90_wgmma render"
     edits = [
         (RUNNING_DECAY, "                cum = Float32(0)\n"),
         (
@@ -845,16 +847,20 @@ def accurate_decay(source: str) -> str:
             "",
         ),
         (
-            "                    decay = decay * cute.math.exp2(step_scale * gate, fastmath=True)\n"
-            "                    decays[t] = decay\n",
-            "                    cum = cum + lower_bound * gate\n                    decays[t] = cum\n",
-        ),
-        (
-            "                    decay = decays[t]\n",
-            "                    decay = cute.math.exp(decays[t])\n",
+            "                    decay = decay * cute.math.exp2(step_scale * gate, fastmath=True)\n",
+            "                    cum = cum + lower_bound * gate\n",
         ),
     ]
-    return _replace_once(source, edits, "accurate-decay", "a one-warpgroup sm90_wgmma variant")
+    source = _replace_once(source, edits, "accurate-decay", needs)
+    # The stores into decays and the probes' reads of it (slot t, or j and t // 2 per warpgroup).
+    for pattern, replacement in (
+        (r"(decays\[[^]]+\]) = decay\n", r"\1 = cum\n"),
+        (r"decay = (decays\[\w\])\n", r"decay = cute.math.exp(\1)\n"),
+    ):
+        source, count = re.subn(pattern, replacement, source)
+        if count != 1:
+            raise SystemExit(f"trace: accurate-decay needs {needs}")
+    return source
 
 
 CONFIGS = {

@@ -828,6 +828,29 @@ def l2_resident(source: str, spread: int = 1) -> str:
     return _replace_once(source, edits, "l2-resident", "a one-warpgroup r1 sm90_wgmma variant")
 
 
+HI_ONLY_HELPER = '''
+
+@cute.jit
+def store_bf16_hi_only(value: Float32, hi_address: Int32, lo_address: Int32):
+    """store_bf16_split without the lo half's store (trace_verify.py: probe-hi-only)."""
+    hi = value.to(cutlass.BFloat16)
+    pointer = cute.make_ptr(cutlass.BFloat16, hi_address, cute.AddressSpace.smem, assumed_align=2)
+    cute.make_tensor(pointer, cute.make_layout(1))[0] = hi
+
+'''
+
+
+def probe_hi_only(source: str) -> str:
+    """Timing bound, wrong outputs: the probes' and w rows' lo halves are not stored (half of
+    the probe phase's shared-memory stores): how much those stores cost the phase."""
+    body = source.index("    def kernel(")
+    count = source.count("store_bf16_split(", body)
+    if count < 2:
+        raise SystemExit("trace: probe-hi-only needs an sm90_wgmma variant")
+    source = source[:body] + source[body:].replace("store_bf16_split(", "store_bf16_hi_only(")
+    return _insert(source, "class Kda", HI_ONLY_HELPER, after=False)
+
+
 EVICT_FIRST = "Int64(0x12F0000000000000)"  # the L2 cache-hint operand of EVICT_FIRST
 
 
@@ -915,6 +938,7 @@ CONFIGS = {
     "io-only": io_only,
     "l2-resident": l2_resident,
     "l2-spread": lambda s: l2_resident(s, spread=4),
+    "probe-hi-only": probe_hi_only,
     "qs-prefetch": query_start_prefetch,
     "second-meta-prefetch": second_meta_prefetch,
     "beta-at-load": beta_at_load,

@@ -828,7 +828,7 @@ def l2_resident(source: str, spread: int = 1) -> str:
     return _replace_once(source, edits, "l2-resident", "a one-warpgroup r1 sm90_wgmma variant")
 
 
-HI_ONLY_HELPER = '''
+HI_ONLY_HELPERS = '''
 
 @cute.jit
 def store_bf16_hi_only(value: Float32, hi_address: Int32, lo_address: Int32):
@@ -837,18 +837,40 @@ def store_bf16_hi_only(value: Float32, hi_address: Int32, lo_address: Int32):
     pointer = cute.make_ptr(cutlass.BFloat16, hi_address, cute.AddressSpace.smem, assumed_align=2)
     cute.make_tensor(pointer, cute.make_layout(1))[0] = hi
 
+
+@cute.jit
+def store_bf16_hi_twice(value: Float32, hi_address: Int32, lo_address: Int32):
+    """store_bf16_split with the hi half stored in the lo's place too: every store, none of
+    the lo half's arithmetic (trace_verify.py: probe-lo-as-hi)."""
+    hi = value.to(cutlass.BFloat16)
+    for address in (hi_address, lo_address):
+        pointer = cute.make_ptr(cutlass.BFloat16, address, cute.AddressSpace.smem, assumed_align=2)
+        cute.make_tensor(pointer, cute.make_layout(1))[0] = hi
+
 '''
 
 
-def probe_hi_only(source: str) -> str:
-    """Timing bound, wrong outputs: the probes' and w rows' lo halves are not stored (half of
-    the probe phase's shared-memory stores): how much those stores cost the phase."""
+def probe_halves(source: str, store: str, config: str) -> str:
+    """Every ``store_bf16_split`` of the kernel (the probes' and w rows' hi and lo halves)
+    replaced by the helper ``store``."""
     body = source.index("    def kernel(")
-    count = source.count("store_bf16_split(", body)
-    if count < 2:
-        raise SystemExit("trace: probe-hi-only needs an sm90_wgmma variant")
-    source = source[:body] + source[body:].replace("store_bf16_split(", "store_bf16_hi_only(")
-    return _insert(source, "class Kda", HI_ONLY_HELPER, after=False)
+    if source.count("store_bf16_split(", body) < 2:
+        raise SystemExit(f"trace: {config} needs an sm90_wgmma variant")
+    source = source[:body] + source[body:].replace("store_bf16_split(", f"{store}(")
+    return _insert(source, "class Kda", HI_ONLY_HELPERS, after=False)
+
+
+def probe_hi_only(source: str) -> str:
+    """Timing bound, wrong outputs: the probes' and w rows' lo halves are neither computed nor
+    stored (half of the probe phase's shared-memory stores, ~70 instructions fewer)."""
+    return probe_halves(source, "store_bf16_hi_only", "probe-hi-only")
+
+
+def probe_lo_as_hi(source: str) -> str:
+    """Timing bound, wrong outputs: every store of ``probe-hi-only``'s kept, the lo halves'
+    arithmetic dropped (the hi half written in their place): with ``probe-hi-only``, says
+    whether the stores or the arithmetic cost the probe phase (v17's question)."""
+    return probe_halves(source, "store_bf16_hi_twice", "probe-lo-as-hi")
 
 
 EVICT_FIRST = "Int64(0x12F0000000000000)"  # the L2 cache-hint operand of EVICT_FIRST
@@ -939,6 +961,7 @@ CONFIGS = {
     "l2-resident": l2_resident,
     "l2-spread": lambda s: l2_resident(s, spread=4),
     "probe-hi-only": probe_hi_only,
+    "probe-lo-as-hi": probe_lo_as_hi,
     "qs-prefetch": query_start_prefetch,
     "second-meta-prefetch": second_meta_prefetch,
     "beta-at-load": beta_at_load,

@@ -60,5 +60,6 @@ def test_every_experiment_applies_or_refuses_its_render(tool: ModuleType, name: 
 def test_a_patch_changes_the_render(tool: ModuleType) -> None:
     """The bounds are not silent no-ops: each rewrites the render it applies to."""
     source = tool.ORIGINAL_RENDER(Variant.parse(CONV_OFF))
-    for config in ("io-only", "l2-resident", "l2-spread", "probe-hi-only", "accurate-decay"):
+    bounds = ("io-only", "l2-resident", "l2-spread", "probe-hi-only", "probe-lo-as-hi")
+    for config in (*bounds, "accurate-decay"):
         assert tool.CONFIGS[config](source) != source, config

@@ -830,12 +830,13 @@ def l2_resident(source: str, spread: int = 1) -> str:
 
 HI_ONLY_HELPERS = '''
 
+from kdagen.dsl.common import store_shared  # noqa: E402 (trace_verify.py: probe-hi-only)
+
+
 @cute.jit
 def store_bf16_hi_only(value: Float32, hi_address: Int32, lo_address: Int32):
     """store_bf16_split without the lo half's store (trace_verify.py: probe-hi-only)."""
-    hi = value.to(cutlass.BFloat16)
-    pointer = cute.make_ptr(cutlass.BFloat16, hi_address, cute.AddressSpace.smem, assumed_align=2)
-    cute.make_tensor(pointer, cute.make_layout(1))[0] = hi
+    store_shared(hi_address, value.to(cutlass.BFloat16))
 
 
 @cute.jit
@@ -843,9 +844,8 @@ def store_bf16_hi_twice(value: Float32, hi_address: Int32, lo_address: Int32):
     """store_bf16_split with the hi half stored in the lo's place too: every store, none of
     the lo half's arithmetic (trace_verify.py: probe-lo-as-hi)."""
     hi = value.to(cutlass.BFloat16)
-    for address in (hi_address, lo_address):
-        pointer = cute.make_ptr(cutlass.BFloat16, address, cute.AddressSpace.smem, assumed_align=2)
-        cute.make_tensor(pointer, cute.make_layout(1))[0] = hi
+    store_shared(hi_address, hi)
+    store_shared(lo_address, hi)
 
 '''
 

@@ -873,6 +873,85 @@ def probe_lo_as_hi(source: str) -> str:
     return probe_halves(source, "store_bf16_hi_twice", "probe-lo-as-hi")
 
 
+PROBE_FENCE = (
+    "                proxy_fence()\n"
+    "                cute.arch.sync_warp()  # this warp's w rows and probe channels, for ldmatrix\n"
+)
+KG_STORES = (
+    "                        kg[record, head, t, c] = raw[1, t]\n"
+    "                        kg[record, head, t, K + c] = g_raw[t]\n"
+)
+ONE_WARPGROUP = "a one-warpgroup sm90_wgmma variant"
+
+
+def lookahead_after_fence(source: str, kg_too: bool = False) -> str:
+    """Experiment (measured, not kept: +0.5 to +0.8 us at B = 64): the next unit's input
+    loads and state prefetch are issued after the probe phase's proxy fence instead of
+    before the probes. The fence compiles to MEMBAR.ALL.CTA +
+    FENCE.VIEW.ASYNC.S; if the MEMBAR waits for the thread's outstanding global loads, every
+    unit with a look-ahead waits there for the next unit's window. ``kg_too``
+    (``io-after-fence``): the kg stores move behind the fence as well (before the look-ahead
+    overwrites their registers), in case it waits for stores."""
+    config = "io-after-fence" if kg_too else "lookahead-after-fence"
+    head, end = _lookahead_block(source)
+    end = _call_end(source, source.index("self.prefetch_state(", end))
+    block = source[head:end]
+    if PROBE_FENCE not in source[end:] or source.count(PROBE_FENCE) != 1:
+        raise SystemExit(f"trace: {config} needs {ONE_WARPGROUP}")
+    source = source[:head] + source[end:]
+    moved = block + "            if live:\n"
+    if kg_too:
+        source = _replace_once(source, [(KG_STORES, "")], config, ONE_WARPGROUP)
+        kg = (
+            "                for t in cutlass.range_constexpr(Q):\n"
+            "                    if t < qlen:\n" + KG_STORES
+        )
+        moved = kg + moved
+    return source.replace(PROBE_FENCE, PROBE_FENCE + moved)
+
+
+def without_probe_fence(source: str) -> str:
+    """Timing bound, racy outputs: the probe phase without its proxy fence (MEMBAR.ALL.CTA +
+    FENCE.VIEW.ASYNC.S): what the fence costs at most, wherever its wait comes from."""
+    fence = "                proxy_fence()\n"
+    return _replace_once(source, [(fence, "")], "no-fence", ONE_WARPGROUP)
+
+
+WINDOW_LOOP = """\
+            for t in cutlass.range_constexpr(Q):
+                row = bos + cutlass.min(t, qlen - 1)
+                for x in cutlass.range_constexpr(3):
+                    raw[x, t] = acts[x][row, head * K + c]
+                g_raw[t] = raw_g[row, head * K + c]
+"""
+WIDE_WINDOW = """\
+            # lookahead-wide: 4 vector loads of 16 bytes (token tid % 8, channels 8 (tid // 8)
+            # of the head), the window's bytes in the wrong registers.
+            row = bos + cutlass.min(tid % 8, qlen - 1)
+            column = head * K + tid // 8 * 8
+            raw_bits = cute.recast_tensor(raw, cutlass.Uint16)
+            g_bits = cute.recast_tensor(g_raw, cutlass.Uint16)
+            for x in cutlass.range_constexpr(4):
+                words = load_words(at(raw_g if x == 3 else acts[x], row, column), count=4)
+                for t in cutlass.range_constexpr(Q):
+                    half = cutlass.Uint16(words[t // 2] >> (16 * (t % 2)))
+                    if x == 3:
+                        g_bits[t] = half
+                    else:
+                        raw_bits[x, t] = half
+"""
+
+
+def lookahead_wide(source: str) -> str:
+    """Timing bound, wrong outputs: each unit's window (q, k, v, g) arrives by 4 16-byte
+    loads per thread, as a token-major thread layout would load it, instead of 32 two-byte
+    loads and their 64-bit addresses: what the loads' instructions cost the probe phase.
+    (Measured: 1-1.5 us slower at B = 64, 11 us at B = 256: the vector loads stream worse.)"""
+    imports = "from kdagen.dsl.common import (\n"
+    edits = [(WINDOW_LOOP, WIDE_WINDOW), (imports, imports + "    load_words,\n")]
+    return _replace_once(source, edits, "lookahead-wide", ONE_WARPGROUP)
+
+
 EVICT_FIRST = "Int64(0x12F0000000000000)"  # the L2 cache-hint operand of EVICT_FIRST
 
 
@@ -973,6 +1052,10 @@ CONFIGS = {
     "tma-window-late": lambda s: tma_window(s, late=True),
     "balanced-grid": balanced_grid,
     "accurate-decay": accurate_decay,
+    "lookahead-after-fence": lookahead_after_fence,
+    "io-after-fence": lambda s: lookahead_after_fence(s, kg_too=True),
+    "no-fence": without_probe_fence,
+    "lookahead-wide": lookahead_wide,
 }
 
 

@@ -952,6 +952,61 @@ def lookahead_wide(source: str) -> str:
     return _replace_once(source, edits, "lookahead-wide", ONE_WARPGROUP)
 
 
+GUESSED_WINDOW_METHOD = """\
+    @cute.jit
+    def load_guessed_window(
+        self, tensors: tuple, first: Int32, head: Int32, raw: cute.Tensor,
+        g_raw: cute.Tensor, gate_in: cute.Tensor, beta_raw: cute.Tensor,
+    ):  # fmt: skip
+        \"\"\"window-guess: thread c's channel of the Q rows from ``first`` (clamped to the
+        tokens), before the unit's meta has arrived, with dt_bias, A_log and raw beta.\"\"\"
+        acts, raw_g, raw_beta, a_log, dt_bias = tensors[:5]
+        tid, _, _ = cute.arch.thread_idx()
+        c = tid
+        last = raw_g.shape[0] - 1
+        if last >= 0:
+            gate_in[0] = dt_bias[head * K + c].to(Float32)
+            gate_in[1] = a_log[head].to(Float32)
+            for t in cutlass.range_constexpr(Q):
+                row = cutlass.min(first + t, last)
+                for x in cutlass.range_constexpr(3):
+                    raw[x, t] = acts[x][row, head * K + c]
+                g_raw[t] = raw_g[row, head * K + c]
+            if tid < Q:
+                beta_raw[0] = raw_beta[cutlass.min(first + tid, last), head]
+
+"""
+FIRST_META = "        slot, bos, qlen = self.unit_meta(tensors, unit, units)\n"
+FIRST_LOAD_ARGS = (
+    "            tensors, slot, bos, qlen, unit % H, null_slot, raw, g_raw, gate_in,\n"
+)
+
+
+def window_guess(source: str, miss: bool = False) -> str:
+    """Experiment: the first unit's window is loaded right after griddepcontrol.wait at the
+    rows it has when every earlier request holds Q tokens (rows [b Q, (b + 1) Q)), in
+    parallel with its meta instead of after it; once the meta arrives, a unit whose window
+    starts elsewhere or holds fewer than Q tokens loads it again (``load_activations`` with
+    its real meta), so outputs cannot change. ``miss`` (``window-misguess``): every guess
+    one row off, the cost of a wrong guess (its bytes and the serial reload)."""
+    config = "window-misguess" if miss else "window-guess"
+    guess = "cta // H * Q + 1" if miss else "cta // H * Q"
+    edits = [
+        ("    @cute.kernel\n", GUESSED_WINDOW_METHOD + "    @cute.kernel\n"),
+        (
+            FIRST_META,
+            FIRST_META
+            + f"        guess = {guess}  # {config}\n"
+            + "        self.load_guessed_window(tensors, guess, unit % H, raw, g_raw, gate_in, beta_raw)\n"
+            + "        reload_qlen = qlen  # 0: the guessed rows are the window, no reload\n"
+            + "        if (bos == guess) & (qlen == Q):\n"
+            + "            reload_qlen = Int32(0)\n",
+        ),
+        (FIRST_LOAD_ARGS, FIRST_LOAD_ARGS.replace(" qlen,", " reload_qlen,")),
+    ]
+    return _replace_once(source, edits, config, "a conv-off one-warpgroup r1 sm90_wgmma variant")
+
+
 EVICT_FIRST = "Int64(0x12F0000000000000)"  # the L2 cache-hint operand of EVICT_FIRST
 
 
@@ -1056,6 +1111,8 @@ CONFIGS = {
     "io-after-fence": lambda s: lookahead_after_fence(s, kg_too=True),
     "no-fence": without_probe_fence,
     "lookahead-wide": lookahead_wide,
+    "window-guess": window_guess,
+    "window-misguess": lambda s: window_guess(s, miss=True),
 }
 
 

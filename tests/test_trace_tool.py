@@ -20,7 +20,7 @@ CONV = "verify-h12-q8-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
 # The patches that target the other kind of render, and so must refuse this one.
 REFUSED = {
     CONV_OFF: {"conv-bytes-only", "conv-no-silu", "silu-no-test", "silu-settle-kv"},
-    CONV: {"tma-window-late"},
+    CONV: {"tma-window-late", "window-guess", "window-misguess"},
 }
 
 
@@ -62,6 +62,6 @@ def test_a_patch_changes_the_render(tool: ModuleType) -> None:
     source = tool.ORIGINAL_RENDER(Variant.parse(CONV_OFF))
     bounds = ("io-only", "l2-resident", "l2-spread", "probe-hi-only", "probe-lo-as-hi")
     bounds += ("no-fence", "lookahead-wide")
-    moves = ("lookahead-after-fence", "io-after-fence")
+    moves = ("lookahead-after-fence", "io-after-fence", "window-guess", "window-misguess")
     for config in (*bounds, *moves, "accurate-decay"):
         assert tool.CONFIGS[config](source) != source, config

@@ -887,9 +887,9 @@ ONE_WARPGROUP = "a one-warpgroup sm90_wgmma variant"
 def lookahead_after_fence(source: str, kg_too: bool = False) -> str:
     """Experiment (measured, not kept: +0.5 to +0.8 us at B = 64): the next unit's input
     loads and state prefetch are issued after the probe phase's proxy fence instead of
-    before the probes. The fence compiles to MEMBAR.ALL.CTA +
-    FENCE.VIEW.ASYNC.S; if the MEMBAR waits for the thread's outstanding global loads, every
-    unit with a look-ahead waits there for the next unit's window. ``kg_too``
+    before the probes. The fence compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S; if the
+    MEMBAR waited for the thread's outstanding global loads, every unit with a look-ahead
+    would wait there for the next unit's window (``no-fence`` showed it does not). ``kg_too``
     (``io-after-fence``): the kg stores move behind the fence as well (before the look-ahead
     overwrites their registers), in case it waits for stores."""
     config = "io-after-fence" if kg_too else "lookahead-after-fence"
@@ -983,13 +983,17 @@ FIRST_LOAD_ARGS = (
 
 
 def window_guess(source: str, miss: bool = False) -> str:
-    """Experiment: the first unit's window is loaded right after griddepcontrol.wait at the
+    """Experiment (measured, not kept: no gain; the meta and window drain together behind
+    the first states): the first unit's window is loaded right after griddepcontrol.wait at the
     rows it has when every earlier request holds Q tokens (rows [b Q, (b + 1) Q)), in
     parallel with its meta instead of after it; once the meta arrives, a unit whose window
     starts elsewhere or holds fewer than Q tokens loads it again (``load_activations`` with
     its real meta), so outputs cannot change. ``miss`` (``window-misguess``): every guess
     one row off, the cost of a wrong guess (its bytes and the serial reload)."""
     config = "window-misguess" if miss else "window-guess"
+    needs = "a conv-off one-warpgroup r1 sm90_wgmma variant"
+    if "\nOWN = " in source:  # two warpgroups hold other token slots in ``raw``
+        raise SystemExit(f"trace: {config} needs {needs}")
     guess = "cta // H * Q + 1" if miss else "cta // H * Q"
     edits = [
         ("    @cute.kernel\n", GUESSED_WINDOW_METHOD + "    @cute.kernel\n"),
@@ -1004,7 +1008,7 @@ def window_guess(source: str, miss: bool = False) -> str:
         ),
         (FIRST_LOAD_ARGS, FIRST_LOAD_ARGS.replace(" qlen,", " reload_qlen,")),
     ]
-    return _replace_once(source, edits, config, "a conv-off one-warpgroup r1 sm90_wgmma variant")
+    return _replace_once(source, edits, config, needs)
 
 
 EVICT_FIRST = "Int64(0x12F0000000000000)"  # the L2 cache-hint operand of EVICT_FIRST

@@ -78,12 +78,17 @@ def _call_end(source: str, start: int) -> int:
     return source.index(CALL_CLOSE, start) + len(CALL_CLOSE)
 
 
+def _first_load_start(source: str) -> int:
+    """Where the line of the first unit's ``load_activations`` call (the one after its
+    ticket, before the loop) begins."""
+    call = source.index("self.load_activations(", source.index("ticket = Int32(0)"))
+    return source.rindex("\n", 0, call) + 1
+
+
 def _first_load_end(source: str) -> int:
     """Where the line after the first unit's ``load_activations`` call (before the loop)
     begins."""
-    return _call_end(
-        source, source.index("self.load_activations(", source.index("ticket = Int32(0)"))
-    )
+    return _call_end(source, _first_load_start(source))
 
 
 def _lookahead_block(source: str) -> tuple[int, int]:
@@ -111,19 +116,14 @@ def patch(source: str, base: int) -> str:
     )
     # Before the loop: the first request's meta arrived (the window's addresses known) and
     # the window loads issued. (Field 10 held v11's ticket barrier; v12 has none.)
-    source = _insert(
-        source,
-        "self.load_activations(",
+    meta_arrived = (
         "        if bos > -1:  # waits for the meta, as the window loads' addresses do\n"
-        "            trace_put(8, cute.arch.globaltimer())",
-        after=False,
+        "            trace_put(8, cute.arch.globaltimer())\n"
     )
-    meta_loaded = _call_end(source, source.index("self.load_activations("))
-    source = (
-        source[:meta_loaded]
-        + "        trace_put(9, cute.arch.globaltimer())\n"
-        + source[meta_loaded:]
-    )
+    start = _first_load_start(source)
+    source = source[:start] + meta_arrived + source[start:]
+    loaded = _first_load_end(source)
+    source = source[:loaded] + "        trace_put(9, cute.arch.globaltimer())\n" + source[loaded:]
     source = _insert(source, "while unit < units:", "            trace_unit(trace_n, 0)")
     source = _insert(
         source, "cute.arch.mbarrier_wait(state_full", "                trace_unit(trace_n, 1)"
@@ -364,6 +364,7 @@ def _replace_once(source: str, edits: list[tuple[str, str]], config: str, needs:
 
 
 CONV_BF16 = "a bf16-tap conv variant (sm90_wgmma)"
+ONE_WARPGROUP = "a one-warpgroup sm90_wgmma variant"
 
 # The prologue's input prefetch as rendered: v8's grid-wide one in one-wave launches, v11's
 # own first window in launches of more than two waves.
@@ -610,7 +611,7 @@ def first_lookahead_late(source: str, at_end: bool = False) -> str:
     later units keep the early issue."""
     head, end = _lookahead_block(source)
     block = source[head:end]
-    needs = "a one-warpgroup sm90_wgmma variant"
+    needs = ONE_WARPGROUP
     if block.count("            if nxt < units:\n") != 1:
         raise SystemExit(f"trace: first-lookahead-late needs {needs}")
     later = block.replace("if nxt < units:", "if (nxt < units) & (unit != cta):")
@@ -802,7 +803,7 @@ def io_only(source: str) -> str:
     own pattern, with none of the math between the reads and the stores."""
     null = "            if slot <= Int64(null_slot):\n"
     edits = [(null, IO_STORES + null)]
-    return reads_only(_replace_once(source, edits, "io-only", "a one-warpgroup sm90_wgmma variant"))
+    return reads_only(_replace_once(source, edits, "io-only", ONE_WARPGROUP))
 
 
 def l2_resident(source: str, spread: int = 1) -> str:
@@ -881,7 +882,6 @@ KG_STORES = (
     "                        kg[record, head, t, c] = raw[1, t]\n"
     "                        kg[record, head, t, K + c] = g_raw[t]\n"
 )
-ONE_WARPGROUP = "a one-warpgroup sm90_wgmma variant"
 
 
 def lookahead_after_fence(source: str, kg_too: bool = False) -> str:
@@ -894,10 +894,13 @@ def lookahead_after_fence(source: str, kg_too: bool = False) -> str:
     overwrites their registers), in case it waits for stores."""
     config = "io-after-fence" if kg_too else "lookahead-after-fence"
     head, end = _lookahead_block(source)
+    one_stage = "self.prefetch_state(" in source[end:]
+    if not one_stage or source.count(PROBE_FENCE) != 1:
+        raise SystemExit(f"trace: {config} needs a one-stage one-warpgroup sm90_wgmma variant")
     end = _call_end(source, source.index("self.prefetch_state(", end))
     block = source[head:end]
-    if PROBE_FENCE not in source[end:] or source.count(PROBE_FENCE) != 1:
-        raise SystemExit(f"trace: {config} needs {ONE_WARPGROUP}")
+    if PROBE_FENCE not in source[end:]:
+        raise SystemExit(f"trace: {config} needs a one-stage one-warpgroup sm90_wgmma variant")
     source = source[:head] + source[end:]
     moved = block + "            if live:\n"
     if kg_too:
@@ -952,30 +955,6 @@ def lookahead_wide(source: str) -> str:
     return _replace_once(source, edits, "lookahead-wide", ONE_WARPGROUP)
 
 
-GUESSED_WINDOW_METHOD = """\
-    @cute.jit
-    def load_guessed_window(
-        self, tensors: tuple, first: Int32, head: Int32, raw: cute.Tensor,
-        g_raw: cute.Tensor, gate_in: cute.Tensor, beta_raw: cute.Tensor,
-    ):  # fmt: skip
-        \"\"\"window-guess: thread c's channel of the Q rows from ``first`` (clamped to the
-        tokens), before the unit's meta has arrived, with dt_bias, A_log and raw beta.\"\"\"
-        acts, raw_g, raw_beta, a_log, dt_bias = tensors[:5]
-        tid, _, _ = cute.arch.thread_idx()
-        c = tid
-        last = raw_g.shape[0] - 1
-        if last >= 0:
-            gate_in[0] = dt_bias[head * K + c].to(Float32)
-            gate_in[1] = a_log[head].to(Float32)
-            for t in cutlass.range_constexpr(Q):
-                row = cutlass.min(first + t, last)
-                for x in cutlass.range_constexpr(3):
-                    raw[x, t] = acts[x][row, head * K + c]
-                g_raw[t] = raw_g[row, head * K + c]
-            if tid < Q:
-                beta_raw[0] = raw_beta[cutlass.min(first + tid, last), head]
-
-"""
 FIRST_META = "        slot, bos, qlen = self.unit_meta(tensors, unit, units)\n"
 FIRST_LOAD_ARGS = (
     "            tensors, slot, bos, qlen, unit % H, null_slot, raw, g_raw, gate_in,\n"
@@ -996,12 +975,14 @@ def window_guess(source: str, miss: bool = False) -> str:
         raise SystemExit(f"trace: {config} needs {needs}")
     guess = "cta // H * Q + 1" if miss else "cta // H * Q"
     edits = [
-        ("    @cute.kernel\n", GUESSED_WINDOW_METHOD + "    @cute.kernel\n"),
         (
             FIRST_META,
             FIRST_META
             + f"        guess = {guess}  # {config}\n"
-            + "        self.load_guessed_window(tensors, guess, unit % H, raw, g_raw, gate_in, beta_raw)\n"
+            + "        self.load_activations(  # the guessed rows, clamped to the tokens\n"
+            + "            tensors, first_slot, guess, cutlass.min(Q, tensors[1].shape[0] - guess),\n"
+            + "            unit % H, null_slot, raw, g_raw, gate_in, beta_raw,\n"
+            + "        )  # fmt: skip\n"
             + "        reload_qlen = qlen  # 0: the guessed rows are the window, no reload\n"
             + "        if (bos == guess) & (qlen == Q):\n"
             + "            reload_qlen = Int32(0)\n",

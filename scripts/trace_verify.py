@@ -769,7 +769,10 @@ def reads_only(source: str) -> str:
 
 def without_stores(source: str) -> str:
     """Timing bound, wrong outputs: the math without the stores of kg, out and corr (each
-    store behind a run-time test that never holds, so the math stays)."""
+    store behind a run-time test that never holds, so the math stays). The solve's stores go
+    back to v16's per-token lines (``branch-stores``) first, where a render has v18's."""
+    if "store_token_row(" in source:
+        source = branch_stores(source)
     lines = source.split("\n")
     wrapped = []
     for line in lines:
@@ -1017,6 +1020,64 @@ def probe_first_state(source: str) -> str:
     return _replace_once(source, [edit], "state-probe", "a PDL variant (sm90_wgmma)")
 
 
+SERIAL_COUPLING = [
+    (
+        """                # Every n-tile's fragments, then every MMA, then the stores: for the compiler
+                # a partial store may alias the probe tile, so an ldmatrix after one waited
+                # for it and each n-tile paid its own load and MMA latencies in turn.
+                b_frags = []
+                for nt in cutlass.range_constexpr(COLS // 8):
+                    b_frags.append(ldmatrix_x4(b_base + nt * 1024))
+                sums = []
+                for nt in cutlass.range_constexpr(COLS // 8):
+                    b = b_frags[nt]
+""",
+        """                for nt in cutlass.range_constexpr(COLS // 8):
+                    b = ldmatrix_x4(b_base + nt * 1024)
+""",
+    ),
+    (
+        """                    sums.append((d[0] + d[1]) + (d[2] + d[3]))
+                for nt in cutlass.range_constexpr(COLS // 8):
+                    partial[warp, (4 * nt + t4) * 8 + g] = sums[nt]
+""",
+        """                    partial[warp, (4 * nt + t4) * 8 + g] = (d[0] + d[1]) + (d[2] + d[3])
+""",
+    ),
+]
+
+
+def serial_coupling(source: str) -> str:
+    """Baseline (v16's coupling MMAs): each n-tile's ldmatrix, two MMAs and partial store in
+    turn, so the next n-tile's ldmatrix waits behind the store (v18 loads every fragment
+    first)."""
+    return _replace_once(source, SERIAL_COUPLING, "serial-coupling", ONE_WARPGROUP)
+
+
+BRANCH_STORES = [
+    (
+        """                    # Stored where t < qlen, without a branch (store_token_row says why).
+                    store_token_row(
+                        qlen - t, at(out, bos + t, head * K + c), o,
+                        at(corr, record, head, t, c), u[t],
+                    )  # fmt: skip
+""",
+        """                    if t < qlen:
+                        out[bos + t, head * K + c] = o.to(out.element_type)
+                        corr[record, head, t, c] = u[t]
+""",
+    ),
+]
+
+
+def branch_stores(source: str) -> str:
+    """Baseline (v16's solve stores): each token's out and corr behind its own ``if t <
+    qlen``, into which the compiler sinks that token's shared loads and FMAs (v18's conv-off
+    renders store through predicated stores; the conv ones kept the branch)."""
+    needs = "a conv-off one-warpgroup sm90_wgmma variant"
+    return _replace_once(source, BRANCH_STORES, "branch-stores", needs)
+
+
 def balanced_grid(source: str) -> str:
     """Experiment (measured, not kept: v16 in the perf notes): the grid keeps the launch's
     number of waves but spreads the units over them evenly (3072 units on 384 CTAs, 8 each,
@@ -1098,6 +1159,8 @@ CONFIGS = {
     "lookahead-wide": lookahead_wide,
     "window-guess": window_guess,
     "window-misguess": lambda s: window_guess(s, miss=True),
+    "serial-coupling": serial_coupling,
+    "branch-stores": branch_stores,
 }
 
 

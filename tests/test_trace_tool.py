@@ -20,7 +20,7 @@ CONV = "verify-h12-q8-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
 # The patches that target the other kind of render, and so must refuse this one.
 REFUSED = {
     CONV_OFF: {"conv-bytes-only", "conv-no-silu", "silu-no-test", "silu-settle-kv"},
-    CONV: {"tma-window-late", "window-guess", "window-misguess"},
+    CONV: {"tma-window-late", "window-guess", "window-misguess", "branch-stores"},
 }
 
 

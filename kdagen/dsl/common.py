@@ -261,6 +261,21 @@ def mma_bf16_16816(a: tuple, b: tuple, c: tuple) -> tuple:
 
 
 @cute.jit
+def store_token_row(
+    tokens_left: Int32, out_address: Int64, o: Float32, corr_address: Int64, u: Float32
+):
+    """A token's out (bf16, rounded to nearest) and corr (fp32) values of one state row,
+    stored only where ``tokens_left`` (qlen - t) is positive. Predicated stores, not a branch:
+    LLVM sinks a value's loads and FMAs into the only block that uses it, and with a branch per
+    token ptxas then ran each token's shared loads and FMA chain after the previous token's."""
+    cute.arch.inline_ptx(
+        "{ .reg .pred p; .reg .b16 h; setp.gt.s32 p, {$r0}, 0; cvt.rn.bf16.f32 h, {$r2}; "
+        "@p st.global.b16 [{$r1}], h; @p st.global.f32 [{$r3}], {$r4}; }",
+        read_only_args=[tokens_left, out_address, o, corr_address, u],
+    )
+
+
+@cute.jit
 def take_ticket(counter_address: Int64) -> Int32:
     """The next work ticket: an atomic add of 1 on the launch's int32 counter."""
     return cute.arch.inline_ptx(

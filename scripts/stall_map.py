@@ -34,7 +34,10 @@ def read_source_page(path: str) -> list[Instruction]:
     """The instructions of the one kernel in an ``ncu --page source --csv`` export."""
     with open(path, newline="") as file:
         rows = list(csv.reader(file))
-    header_at = next(i for i, row in enumerate(rows) if row[:2] == ["Address", "Source"])
+    header_at = next((i for i, row in enumerate(rows) if row[:2] == ["Address", "Source"]), None)
+    if header_at is None:  # e.g. ncu's error text when the report was not written
+        first = " ".join(rows[0])[:120] if rows else "nothing"
+        raise SystemExit(f"stall_map: {path} is not an ncu source page (it begins: {first})")
     header, body = rows[header_at], rows[header_at + 1 :]
     column = {name: i for i, name in enumerate(header)}
     reasons = [n for n in header if n.startswith("stall_") and "Not Issued" not in n]

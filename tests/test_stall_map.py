@@ -68,3 +68,10 @@ def test_phases_split_at_barriers_or_given_indexes(
     tool.main(str(export), [3], top=0)
     lines = capsys.readouterr().out.splitlines()
     assert "[    0,     3)   67.0 %" in lines[1] and "[    3,     5)   33.0 %" in lines[2]
+
+
+def test_refuses_what_is_not_a_source_page(tool: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "error.csv"
+    path.write_text("==ERROR== Could not open report file '/tmp/b64.ncu-rep'.\n")
+    with pytest.raises(SystemExit, match="not an ncu source page .*Could not open report"):
+        tool.read_source_page(str(path))

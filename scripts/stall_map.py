@@ -15,8 +15,8 @@ samples include the wait that ends it only when the split is one past the barrie
 
 from __future__ import annotations
 
+import argparse
 import csv
-import sys
 from dataclasses import dataclass
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -86,18 +86,9 @@ def main(path: str, splits: list[int], top: int) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if not args or args[0].startswith("-"):
-        raise SystemExit(__doc__)
-    options = {"--split": [], "--top": ["20"]}
-    key = None
-    for arg in args[1:]:
-        if arg in options:
-            key = arg
-            if arg == "--top":
-                options[arg] = []
-        elif key is None:
-            raise SystemExit(f"stall_map: unexpected argument {arg!r}")
-        else:
-            options[key].append(arg)
-    main(args[0], [int(s) for s in options["--split"]], int(options["--top"][-1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("csv", help="the source page: ncu --page source --csv --print-source sass")
+    parser.add_argument("--split", type=int, nargs="*", default=[], help="phase starts")
+    parser.add_argument("--top", type=int, default=20, help="instructions to list")
+    args = parser.parse_args()
+    main(args.csv, args.split, args.top)

@@ -769,10 +769,11 @@ def reads_only(source: str) -> str:
 
 def without_stores(source: str) -> str:
     """Timing bound, wrong outputs: the math without the stores of kg, out and corr (each
-    store behind a run-time test that never holds, so the math stays). The solve's stores go
-    back to v16's per-token lines (``branch-stores``) first, where a render has v18's."""
-    if "store_token_row(" in source:
-        source = branch_stores(source)
+    store behind a run-time test that never holds, so the math stays; v18's predicated
+    solve stores get a predicate that is never positive, qlen - t - Q)."""
+    solve_stores = "qlen - t, at(out, bos + t, head * K + c), o,"
+    predicated = source.count(solve_stores)  # one call stores out and corr
+    source = source.replace(solve_stores, "qlen - t - Q, at(out, bos + t, head * K + c), o,")
     lines = source.split("\n")
     wrapped = []
     for line in lines:
@@ -784,7 +785,7 @@ def without_stores(source: str) -> str:
             wrapped += [f"{indent}if qlen > Q:", f"    {line}"]
         else:
             wrapped.append(line)
-    if len(wrapped) - len(lines) < 4:  # kg (k and g), out and corr
+    if len(wrapped) - len(lines) + 2 * predicated < 4:  # kg (k and g), out and corr
         raise SystemExit("trace: no-stores needs an sm90_wgmma variant")
     return "\n".join(wrapped)
 

@@ -222,10 +222,55 @@ PROLOGUE_LOAD = """        if warp == 0:  # noqa: SIM102 (traced: `and` does not
 """
 
 
+EARLY_RULE = """\
+        # The CTAs that request their first state here, under the previous kernel: from two
+        # waves on all but the grid bound's last SMS, in a one-wave launch only the first SMS.
+        # The others request theirs after their first window, which then no longer queues
+        # behind those states in HBM; theirs still arrive before the coupling needs them (v19).
+        early = cta < CTAS - SMS
+        if units <= ctas:
+            early = cta < SMS
+"""
+ONE_WAVE_RULE = "        if units <= ctas:\n            early = cta < SMS\n"
+LATE_REQUEST = "            if ~early & (first_slot > Int64(null_slot)):\n"
+
+
+def early_states(source: str) -> str:
+    """Baseline (v18's prologue): every CTA requests its first state before
+    griddepcontrol.wait (v19 leaves some of those requests until after the first window)."""
+    needs = "an sm90_wgmma variant with v19's first-state requests"
+    source = _replace_once(
+        source,
+        [
+            (EARLY_RULE, ""),
+            (
+                "            if early & (first_slot > Int64(null_slot)):\n",
+                "            if first_slot > Int64(null_slot):\n",
+            ),
+        ],
+        "early-states",
+        needs,
+    )
+    late = source.rindex("        # The other CTAs' first state", 0, source.index(LATE_REQUEST))
+    end = _call_end(source, source.index("self.load_state(", late))
+    if source.startswith("                load_stage = Int32(1)\n", end):
+        end = source.index("\n", end) + 1
+    return source[:late] + source[end:]
+
+
+def late_third(source: str) -> str:
+    """Experiment (v19 without its one-wave rule): the grid bound's last SMS CTAs request their
+    first state after their first window in every launch, one-wave launches included."""
+    needs = "an sm90_wgmma variant with v19's first-state requests"
+    return _replace_once(source, [(ONE_WAVE_RULE, "")], "late-third", needs)
+
+
 def first_state_after_inputs(source: str, guard: str = "") -> str:
-    """Experiment: request the first unit's state after its inputs (meta, activations) are
-    requested, instead of in the prologue; with ``guard``, only in CTAs where it holds (the
-    others keep the prologue load)."""
+    """Experiment (on v18's prologue): request the first unit's state after its inputs (meta,
+    activations) are requested, instead of in the prologue; with ``guard``, only in CTAs where
+    it holds (the others keep the prologue load)."""
+    if LATE_REQUEST in source:
+        source = early_states(source)
     head = source.index(PROLOGUE_LOAD)
     end = _call_end(source, head)
     block = source[head:end]
@@ -261,7 +306,8 @@ def cold_after_inputs(source: str) -> str:
     arrived (the read sits behind the slot's test, and a volatile load is not hoisted). Set:
     no kernel ahead was still running, so the first state is requested after the first
     unit's meta and window loads, which would otherwise queue behind every CTA's state.
-    Clear: the prologue load, under the kernel ahead, as shipped."""
+    Clear: the prologue load, under the kernel ahead, as v18 shipped."""
+    source = early_states(source)
     source = _insert(source, "class Kda", COLD_FLAG_HELPERS, after=False)
     edits = [
         (
@@ -1079,6 +1125,24 @@ def branch_stores(source: str) -> str:
     return _replace_once(source, BRANCH_STORES, "branch-stores", needs)
 
 
+def norms_free(source: str) -> str:
+    """Timing bound, wrong outputs (unnormalised probes, racy w rows): no norms barrier and
+    no inverse norms in the probe phase. What a unit would gain at most if the probes were
+    stored unnormalised and the norms applied after the coupling barrier (to the coupling
+    scalars and projections, which are linear in each probe)."""
+    needs = ONE_WARPGROUP
+    source = _replace_once(
+        source, [("            cute.arch.barrier()  # norms and betas\n", "")], "norms-free", needs
+    )
+    source, found = INVERSE_NORMS.subn("", source)
+    source, shuffled = SHUFFLED_NORM.subn(
+        lambda m: f"{m['x']}_n = {m['x']}v[{m['slot']}]\n", source
+    )
+    if (found, shuffled) != (1, 2):
+        raise SystemExit(f"trace: norms-free needs {needs}")
+    return source
+
+
 def balanced_grid(source: str) -> str:
     """Experiment (measured, not kept: v16 in the perf notes): the grid keeps the launch's
     number of waves but spreads the units over them evenly (3072 units on 384 CTAs, 8 each,
@@ -1162,6 +1226,9 @@ CONFIGS = {
     "window-misguess": lambda s: window_guess(s, miss=True),
     "serial-coupling": serial_coupling,
     "branch-stores": branch_stores,
+    "norms-free": norms_free,
+    "early-states": early_states,
+    "late-third": late_third,
 }
 
 

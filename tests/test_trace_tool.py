@@ -61,8 +61,8 @@ def test_a_patch_changes_the_render(tool: ModuleType) -> None:
     """The bounds are not silent no-ops: each rewrites the render it applies to."""
     source = tool.ORIGINAL_RENDER(Variant.parse(CONV_OFF))
     bounds = ("io-only", "l2-resident", "l2-spread", "probe-hi-only", "probe-lo-as-hi")
-    bounds += ("no-fence", "lookahead-wide", "no-stores")
+    bounds += ("no-fence", "lookahead-wide", "no-stores", "norms-free")
     moves = ("lookahead-after-fence", "io-after-fence", "window-guess", "window-misguess")
-    moves += ("serial-coupling", "branch-stores")
+    moves += ("serial-coupling", "branch-stores", "early-states", "late-third", "staggered")
     for config in (*bounds, *moves, "accurate-decay"):
         assert tool.CONFIGS[config](source) != source, config

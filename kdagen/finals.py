@@ -2,9 +2,10 @@
 
 Timing one config after another lets drift (clocks, temperature, a neighbour on the host)
 pass for a difference between configs; interleaving A B C D A B C D ... spreads it over all
-of them. The winner is picked by ``pick_winner``: noise is the larger of 1 % and the
-round-to-round range of the two fastest; within noise of the fastest, the default config wins
-if it is there (a tuned entry must earn its place), else the simplest config.
+of them. The winner is picked by ``pick_winner``: noise is the larger of 1 % and the fastest's
+round-to-round range; within noise of the fastest, the default config wins if it is there (a
+tuned entry must earn its place), else the simplest config. A stored final is picked again
+from its recorded times when that rule changes (``pick_again``), without re-timing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from kdagen.search import recorded
 from kdagen.variant import Variant
 
 MIN_NOISE_PCT = 1.0  # margins below this never count as a win
+# The version of pick_winner's rule a final was picked under. Rule 1 also counted the second
+# fastest's range as noise, so one slow round of a slower default excused its whole gap (v19's
+# table: H12 Q8 B = 512 kept a default 3.5 % slower by median, and in every round).
+PICK_RULE = 2
 FINALISTS = 3
 # "Simpler", compared in this order: fewer CTAs per item, a shallower pipeline, a smaller
 # persistent grid, smaller blocks.
@@ -49,8 +54,9 @@ def pick_winner(
 ) -> Pick:
     """The winner of interleaved re-timing (name -> per-round medians).
 
-    Noise = max(1 %, the round-to-round range of the two fastest). Among the configs within
-    noise of the fastest, the default wins if it is one of them, else the simplest.
+    Noise = max(1 %, the fastest's round-to-round range): how well the time to beat is known.
+    Among the configs within noise of the fastest, the default wins if it is one of them,
+    else the simplest.
     """
     medians = {n: statistics.median(ts) for n, ts in times.items() if ts}
     order = sorted(medians, key=lambda n: medians[n])
@@ -59,7 +65,7 @@ def pick_winner(
     def spread(n: str) -> float:
         return 100.0 * (max(times[n]) - min(times[n])) / medians[n]
 
-    noise = max(MIN_NOISE_PCT, *(spread(n) for n in order[:2]))
+    noise = max(MIN_NOISE_PCT, spread(fastest))
     near = [n for n in order if _pct(medians[n], medians[fastest]) <= noise]
     if default in near:
         winner, why = (
@@ -113,22 +119,47 @@ def run_finals(
                              "default_tuning": default.tuning, "dropped": dropped}  # fmt: skip
     if not times:
         return final | {"winner": None, "pick": "every candidate failed"}
+    # Picked from the times as stored (ns), so that pick_again on them gives the same pick.
+    times = {n: [round(t, 3) for t in ts] for n, ts in times.items()}
     pick = pick_winner(times, default.name if default_ok else None,
                        lambda n: simplicity(known[n]))  # fmt: skip
     winner = known[pick.winner]
-    return final | {
+    return (
+        final
+        | _picked(pick, default.name, times)
+        | {
+            "floor_us": ev.extra("floor", winner, batch),
+            "peers": ev.extra("peers", winner, batch) or {},
+        }
+    )
+
+
+def _picked(pick: Pick, default: str, times: dict[str, list[float]]) -> dict[str, Any]:
+    """A final's fields that follow from its pick (``times`` as stored)."""
+    return {
+        "pick_rule": PICK_RULE,
         "winner": pick.winner,
-        "tuning": winner.tuning,
+        "tuning": Variant.parse(pick.winner).tuning,
         "time_us": round(pick.medians[pick.winner], 3),
         "pick": pick.pick,
         "noise_pct": pick.noise_pct,
         "runner_up": pick.runner_up,
         "margin_runner_up_pct": pick.margin_runner_up_pct,
-        "default_us": round(pick.medians[default.name], 3)
-        if default.name in pick.medians
-        else None,
+        "default_us": round(pick.medians[default], 3) if default in pick.medians else None,
         "margin_default_pct": pick.margin_default_pct,
-        "times": {n: [round(t, 3) for t in ts] for n, ts in times.items()},
-        "floor_us": ev.extra("floor", winner, batch),
-        "peers": ev.extra("peers", winner, batch) or {},
+        "times": times,
     }
+
+
+def pick_again(final: dict[str, Any]) -> dict[str, Any]:
+    """A final picked under an earlier rule, picked again from its stored times (no GPU
+    time); the floor and peers are the contract's, whichever config wins. A final without
+    times (every candidate failed) only takes the rule's number."""
+    times = final.get("times")
+    if not times:
+        return final | {"pick_rule": PICK_RULE}
+    default = final["default"]
+    pick = pick_winner(
+        times, default if default in times else None, lambda n: simplicity(Variant.parse(n))
+    )
+    return final | _picked(pick, default, times)

@@ -16,7 +16,8 @@ choice, enqueued as each study's first trial.
 
 Storage is Optuna's SQLite in the output folder; ``load_if_exists`` resumes a killed run:
 scored trials stay scored, trials left RUNNING by the kill are marked failed (and their
-candidates asked again), finished finals are kept.
+candidates asked again), finished finals are kept (picked again from their stored times
+when the pick rule has changed since).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import optuna
 from kdagen import report
 from kdagen.dispatch import generated_root
 from kdagen.evaluate import CandidateEvaluator, Compiler, Ledger, Progress
-from kdagen.finals import run_finals
+from kdagen.finals import PICK_RULE, pick_again, run_finals
 from kdagen.search import (
     Outcome,
     SearchSpace,
@@ -298,6 +299,8 @@ def run_study(
         study.set_user_attr(
             "final", run_finals(ev, study, space.by_name, default, batch, options.rounds)
         )
+    elif final.get("pick_rule") != PICK_RULE:
+        study.set_user_attr("final", pick_again(final))
     if set(recorded(study)) >= set(space.by_name) and "efficiency" not in study.user_attrs:
         study.set_user_attr("efficiency", _efficiency(study, space, default, lookahead))
     wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started
@@ -312,6 +315,42 @@ def _stamp_study(study: optuna.Study, plan: StudyPlan, batch: int, stamp: Stamp)
     for key, value in attrs.items():
         if study.user_attrs.get(key) != value:
             study.set_user_attr(key, value)
+
+
+def repick(folder: Path) -> TuneResult:
+    """Pick the stored finals of a tuned folder again under the current rule
+    (``finals.PICK_RULE``) and rewrite its table, winners, plots and report from them: no GPU,
+    nothing compiled or timed. Refused where a study does not match the kernels this checkout
+    renders (or the folder's GPU): those need ``kdagen tune`` on that GPU."""
+    started = time.time()
+    try:
+        table = json.loads((folder / "dispatch.json").read_text())
+        last_run = json.loads((folder / "runs.json").read_text())[-1]["options"]
+    except (OSError, ValueError, IndexError, KeyError) as err:
+        raise TuneError(
+            f"{folder} is not a tuned folder (dispatch.json, runs.json): {err}"
+        ) from None
+    device = table["device"] | {"fingerprint": table["fingerprint"]}
+    with folder_lock(folder):
+        storage = open_storage(f"sqlite:///{folder / 'studies.db'}")
+        stamp = make_stamp(device["fingerprint"], list(PATHS))
+        studies = fresh_studies(storage, stamp)
+        unusable = len(storage.get_all_studies()) - len(studies)
+        if unusable:
+            raise TuneError(
+                f"{unusable} stud{'y' if unusable == 1 else 'ies'} in {folder} do not match the "
+                "kernels this checkout renders: run kdagen tune on the GPU instead"
+            )
+        for study in studies:
+            final = study.user_attrs.get("final")
+            if final and final.get("pick_rule") != PICK_RULE:
+                study.set_user_attr("final", pick_again(final))
+        results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
+        spaces = tuple(last_run.get("spaces") or DEFAULT_SPACES)
+        report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
+                         {"repick": True, "spaces": list(spaces)},
+                         space_points(spaces, device["arch"]))  # fmt: skip
+    return TuneResult(folder, results, [], time.time() - started, bool(device.get("simulated")))
 
 
 def _seed(seed: int, name: str) -> int:

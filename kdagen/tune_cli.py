@@ -40,6 +40,11 @@ def tune(
     ),
     rounds: int = typer.Option(5, min=1, help="interleaved re-timing rounds of the finalists"),
     seed: int = typer.Option(0, help="sampler seed (and check input seed)"),
+    repick: Path = typer.Option(
+        None,
+        help="a tuned folder (generated/<gpu>): pick its stored finals again under the current "
+        "rule and rewrite its outputs; no GPU, nothing re-timed",
+    ),
     simulate: bool = typer.Option(
         False,
         hidden=True,
@@ -52,6 +57,9 @@ def tune(
     template edit only the studies whose kernels render differently are measured again."""
     if exhaustive and trials is not None:
         raise typer.BadParameter("give --trials N or --exhaustive, not both")
+    if repick is not None:
+        _repick(repick)
+        return
     if not simulate:
         _require_gpu()
     from kdagen.space import DEFAULT_SPACES, SpaceError
@@ -98,6 +106,18 @@ def summary_table(results: Sequence[StudyResult], simulated: bool) -> str:
     if simulated:
         lines.insert(0, "SIMULATED (kdagen/simulate.py): no time below was measured")
     return "\n".join(lines)
+
+
+def _repick(folder: Path) -> None:
+    from kdagen.tune import TuneError, repick
+
+    try:
+        result = repick(folder)
+    except TuneError as err:
+        typer.echo(f"kdagen tune: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(summary_table(result.results, result.simulated))
+    typer.echo(f"picked again and rewrote {result.folder} (nothing re-timed)")
 
 
 def _require_gpu() -> None:

@@ -18,7 +18,7 @@ from kdagen import render as krender
 from kdagen.check import CaseResult
 from kdagen.cli import app
 from kdagen.compile import variant_dir
-from kdagen.finals import pick_winner
+from kdagen.finals import PICK_RULE, pick_again, pick_winner
 from kdagen.search import (
     FAILURE_SCORE,
     Outcome,
@@ -163,6 +163,87 @@ def test_within_noise_the_simpler_config_wins_and_noise_follows_the_spread() -> 
     pick = pick_winner(times, "default", lambda n: simpler[n])
     assert pick.noise_pct == pytest.approx(100 * 0.8 / 10.0, abs=0.01)  # the fastest's range
     assert (pick.winner, pick.pick) == ("split1", "simplest within noise")
+
+
+def test_a_slow_round_of_the_runner_up_does_not_excuse_its_gap() -> None:
+    """v19's H12 Q8 B = 512 finals: the default lost every round by 1-6 %, and one slow round
+    (85.15) had made its own range the noise (rule 1). The noise is the fastest's range."""
+    times = {"c396": [79.552, 80.912, 80.016], "c528": [82.816, 81.952, 85.152]}
+    pick = pick_winner(times, "c528", lambda n: (0,))
+    assert (pick.winner, pick.pick) == ("c396", "fastest")
+    assert pick.noise_pct == pytest.approx(100 * (80.912 - 79.552) / 80.016, abs=0.01)
+
+
+def test_a_final_of_an_earlier_rule_is_picked_again_from_its_times() -> None:
+    times = {"a": [79.552, 80.912, 80.016], "b": [82.816, 81.952, 85.152]}
+    names = {"a": "verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl"}
+    names["b"] = "verify-h12-q8-i32-sm90_wgmma-t128-r1-c528-s1-pdl"
+    stored = {
+        "scored": 10, "rounds": 3, "default": names["b"], "winner": names["b"],
+        "pick": "default within noise", "times": {names[k]: t for k, t in times.items()},
+        "floor_us": 74.9, "peers": {"flashinfer": 97.3},
+    }  # fmt: skip
+    final = pick_again(stored)
+    assert (final["winner"], final["pick"], final["pick_rule"]) == (
+        names["a"],
+        "fastest",
+        PICK_RULE,
+    )
+    assert final["tuning"]["ctas"] == 396 and final["time_us"] == 80.016
+    assert final["default_us"] == 82.816 and final["margin_default_pct"] > 3
+    assert (final["floor_us"], final["peers"], final["scored"]) == (74.9, {"flashinfer": 97.3}, 10)
+    failed = {"scored": 4, "rounds": 3, "winner": None, "pick": "every candidate failed"}
+    assert pick_again(failed) == failed | {"pick_rule": PICK_RULE}
+
+
+def test_a_run_after_a_rule_change_picks_again_without_timing(
+    tmp_path: Path, workloads: Path
+) -> None:
+    run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    study = studies_of(folder)[f"{KEY}/b1"]
+    final = study.user_attrs["final"]
+    assert final["pick_rule"] == PICK_RULE
+    times = final["times"]
+    # An earlier rule's winner: the slowest of the others.
+    slow = max((n for n in times if n != final["winner"]), key=lambda n: min(times[n]))
+    study.set_user_attr("final", {k: v for k, v in final.items() if k != "pick_rule"}
+                        | {"winner": slow, "pick": "default within noise"})  # fmt: skip
+
+    run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
+    again = studies_of(folder)[f"{KEY}/b1"].user_attrs["final"]
+    assert again["pick_rule"] == PICK_RULE and again["times"] == times  # not re-timed
+    assert again["winner"] == final["winner"] != slow
+
+
+def test_repick_rewrites_a_folder_from_its_stored_finals(tmp_path: Path, workloads: Path) -> None:
+    """``kdagen tune --repick``: no GPU, nothing re-timed; the table follows the new pick."""
+    run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    study = studies_of(folder)[f"{KEY}/b1"]
+    final = study.user_attrs["final"]
+    slow = max(
+        (n for n in final["times"] if n != final["winner"]), key=lambda n: min(final["times"][n])
+    )
+    study.set_user_attr("final", {k: v for k, v in final.items() if k != "pick_rule"}
+                        | {"winner": slow, "pick": "default within noise"})  # fmt: skip
+    runs_before = len(json.loads((folder / "runs.json").read_text()))
+
+    result = runner.invoke(app, ["tune", "--repick", str(folder)])
+    assert result.exit_code == 0, result.output
+    assert "nothing re-timed" in result.output
+    again = studies_of(folder)[f"{KEY}/b1"].user_attrs["final"]
+    assert again["winner"] == final["winner"] and again["times"] == final["times"]
+    winners = json.loads((folder / "winners.json").read_text())
+    assert next(w for w in winners if w["batch"] == 1)["winner"] == final["winner"]
+    runs = json.loads((folder / "runs.json").read_text())
+    assert len(runs) == runs_before + 1 and runs[-1]["options"]["repick"] is True
+
+    empty = runner.invoke(app, ["tune", "--repick", str(tmp_path)])
+    assert empty.exit_code == 2 and "not a tuned folder" in empty.output
+    studies_of(folder)[f"{KEY}/b64"].set_user_attr("fingerprint", "another-gpu")
+    foreign = runner.invoke(app, ["tune", "--repick", str(folder)])
+    assert foreign.exit_code == 2 and "1 study" in foreign.output and "on the GPU" in foreign.output
 
 
 # ---- the worker ----
@@ -419,7 +500,8 @@ runner = CliRunner()
 def test_tune_help_lists_the_options() -> None:
     result = runner.invoke(app, ["tune", "--help"])
     assert result.exit_code == 0
-    for option in ("--trials", "--exhaustive", "--storage", "--out", "--workloads", "--space"):
+    for option in ("--trials", "--exhaustive", "--storage", "--out", "--workloads", "--space",
+                   "--repick"):  # fmt: skip
         assert option in result.output
     assert "--simulate" not in result.output  # for tests and CI only
 

@@ -299,8 +299,8 @@ def run_study(
         study.set_user_attr(
             "final", run_finals(ev, study, space.by_name, default, batch, options.rounds)
         )
-    elif final.get("pick_rule") != PICK_RULE:
-        study.set_user_attr("final", pick_again(final))
+    else:
+        _pick_under_current_rule(study)
     if set(recorded(study)) >= set(space.by_name) and "efficiency" not in study.user_attrs:
         study.set_user_attr("efficiency", _efficiency(study, space, default, lookahead))
     wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started
@@ -342,15 +342,20 @@ def repick(folder: Path) -> TuneResult:
                 "kernels this checkout renders: run kdagen tune on the GPU instead"
             )
         for study in studies:
-            final = study.user_attrs.get("final")
-            if final and final.get("pick_rule") != PICK_RULE:
-                study.set_user_attr("final", pick_again(final))
-        results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
+            _pick_under_current_rule(study)
+        results = [report.result_of(s) for s in studies]
         spaces = tuple(last_run.get("spaces") or DEFAULT_SPACES)
         report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
                          {"repick": True, "spaces": list(spaces)},
                          space_points(spaces, device["arch"]))  # fmt: skip
     return TuneResult(folder, results, [], time.time() - started, bool(device.get("simulated")))
+
+
+def _pick_under_current_rule(study: optuna.Study) -> None:
+    """A stored final picked under an earlier rule, picked again from its times (no GPU)."""
+    final = study.user_attrs.get("final")
+    if final and final.get("pick_rule") != PICK_RULE:
+        study.set_user_attr("final", pick_again(final))
 
 
 def _seed(seed: int, name: str) -> int:

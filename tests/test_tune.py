@@ -196,19 +196,27 @@ def test_a_final_of_an_earlier_rule_is_picked_again_from_its_times() -> None:
     assert pick_again(failed) == failed | {"pick_rule": PICK_RULE}
 
 
-def test_a_run_after_a_rule_change_picks_again_without_timing(
-    tmp_path: Path, workloads: Path
-) -> None:
+def tuned_under_an_earlier_rule(tmp_path: Path, workloads: Path) -> tuple[Path, dict, str]:
+    """A simulated tune whose B = 1 final is then stored as an earlier rule's pick: the slowest
+    of the other configs, without a rule number. Returns the folder, the true final and that
+    config."""
     run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
     folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
     study = studies_of(folder)[f"{KEY}/b1"]
     final = study.user_attrs["final"]
-    assert final["pick_rule"] == PICK_RULE
     times = final["times"]
-    # An earlier rule's winner: the slowest of the others.
     slow = max((n for n in times if n != final["winner"]), key=lambda n: min(times[n]))
     study.set_user_attr("final", {k: v for k, v in final.items() if k != "pick_rule"}
                         | {"winner": slow, "pick": "default within noise"})  # fmt: skip
+    return folder, final, slow
+
+
+def test_a_run_after_a_rule_change_picks_again_without_timing(
+    tmp_path: Path, workloads: Path
+) -> None:
+    folder, final, slow = tuned_under_an_earlier_rule(tmp_path, workloads)
+    assert final["pick_rule"] == PICK_RULE
+    times = final["times"]
 
     run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
     again = studies_of(folder)[f"{KEY}/b1"].user_attrs["final"]
@@ -218,15 +226,7 @@ def test_a_run_after_a_rule_change_picks_again_without_timing(
 
 def test_repick_rewrites_a_folder_from_its_stored_finals(tmp_path: Path, workloads: Path) -> None:
     """``kdagen tune --repick``: no GPU, nothing re-timed; the table follows the new pick."""
-    run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
-    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
-    study = studies_of(folder)[f"{KEY}/b1"]
-    final = study.user_attrs["final"]
-    slow = max(
-        (n for n in final["times"] if n != final["winner"]), key=lambda n: min(final["times"][n])
-    )
-    study.set_user_attr("final", {k: v for k, v in final.items() if k != "pick_rule"}
-                        | {"winner": slow, "pick": "default within noise"})  # fmt: skip
+    folder, final, _ = tuned_under_an_earlier_rule(tmp_path, workloads)
     runs_before = len(json.loads((folder / "runs.json").read_text()))
 
     result = runner.invoke(app, ["tune", "--repick", str(folder)])

@@ -222,23 +222,24 @@ PROLOGUE_LOAD = """        if warp == 0:  # noqa: SIM102 (traced: `and` does not
 """
 
 
-EARLY_RULE = """\
+ONE_WAVE_RULE = "        if units <= ctas:\n            early = cta < SMS\n"
+EARLY_RULE = (
+    """\
         # The CTAs that request their first state here, under the previous kernel: from two
         # waves on all but the grid bound's last SMS, in a one-wave launch only the first SMS.
         # The others request theirs after their first window, which then no longer queues
         # behind those states in HBM; theirs still arrive before the coupling needs them (v19).
         early = cta < CTAS - SMS
-        if units <= ctas:
-            early = cta < SMS
 """
-ONE_WAVE_RULE = "        if units <= ctas:\n            early = cta < SMS\n"
+    + ONE_WAVE_RULE
+)
 LATE_REQUEST = "            if ~early & (first_slot > Int64(null_slot)):\n"
+V19_REQUESTS = "an sm90_wgmma variant with v19's first-state requests"
 
 
 def early_states(source: str) -> str:
     """Baseline (v18's prologue): every CTA requests its first state before
     griddepcontrol.wait (v19 leaves some of those requests until after the first window)."""
-    needs = "an sm90_wgmma variant with v19's first-state requests"
     source = _replace_once(
         source,
         [
@@ -249,7 +250,7 @@ def early_states(source: str) -> str:
             ),
         ],
         "early-states",
-        needs,
+        V19_REQUESTS,
     )
     late = source.rindex("        # The other CTAs' first state", 0, source.index(LATE_REQUEST))
     end = _call_end(source, source.index("self.load_state(", late))
@@ -261,8 +262,7 @@ def early_states(source: str) -> str:
 def late_third(source: str) -> str:
     """Experiment (v19 without its one-wave rule): the grid bound's last SMS CTAs request their
     first state after their first window in every launch, one-wave launches included."""
-    needs = "an sm90_wgmma variant with v19's first-state requests"
-    return _replace_once(source, [(ONE_WAVE_RULE, "")], "late-third", needs)
+    return _replace_once(source, [(ONE_WAVE_RULE, "")], "late-third", V19_REQUESTS)
 
 
 def first_state_after_inputs(source: str, guard: str = "") -> str:

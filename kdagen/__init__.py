@@ -15,3 +15,13 @@ def verify(*args, **kwargs):  # noqa: ANN002, ANN003 - forwards to the run-time 
     from kdagen.runtime import verify as run
 
     return run(*args, **kwargs)
+
+
+def __getattr__(name: str) -> object:
+    """``kdagen.ModelCommit``: the all-layer commit (``kdagen.model_commit``), imported on
+    first use like the functions above."""
+    if name == "ModelCommit":
+        from kdagen.model_commit import ModelCommit
+
+        return ModelCommit
+    raise AttributeError(f"module 'kdagen' has no attribute {name!r}")

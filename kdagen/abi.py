@@ -24,17 +24,43 @@ class Param:
 
 
 def commit_params(variant: Variant) -> tuple[Param, ...]:
+    # One launch folds every layer: layer l's state, corr, kg and conv state lie
+    # layer_offsets[l] elements after layer 0's (the pointers below). The plan arguments
+    # select kdagen's contract (records by request row, accepted by request) or vLLM's
+    # commit context (records by slot, request indices, window lengths, prefix caching).
     return (
         Param("state", "ptr", "bf16", 16),
         Param("corr", "ptr", "fp32", 16),
         Param("kg", "ptr", "bf16", 16),
-        Param("a_log", "ptr", "fp32", 4),
-        Param("dt_bias", "ptr", "fp32", 4),
+        Param("conv_state", "ptr", "bf16", 2),
+        Param("a_log", "ptr", "fp32", 4),  # [L, H]
+        Param("dt_bias", "ptr", "fp32", 4),  # [L, H * K]
+        Param("layer_offsets", "ptr", "int64", 8),  # [L, 4]: state, corr, kg, conv
         Param("slots", "ptr", variant.slot_dtype, 4),
-        Param("accepted", "ptr", "int32", 4),
+        Param("accepted", "ptr", "int32", 4),  # [owners]
+        Param("request_index", "ptr", "int32", 4),  # [B] (indirect)
+        Param("query_start", "ptr", "int32", 4),  # [B + 1] (windowed)
+        Param("block_table", "ptr", "int32", 4),  # [table_rows, table_width] (block_size > 0)
+        Param("num_computed", "ptr", "int32", 4),  # [owners] (block_size > 0)
+        Param("layers", "i32"),
         Param("batch", "i32"),
+        Param("owners", "i32"),
         Param("slot_count", "i32"),
         Param("slot_stride", "i64"),
+        Param("rows", "i32"),
+        Param("corr_row_stride", "i64"),
+        Param("kg_row_stride", "i64"),
+        Param("records_by_slot", "i32"),
+        Param("indirect", "i32"),
+        Param("windowed", "i32"),
+        Param("block_size", "i32"),
+        Param("table_rows", "i32"),
+        Param("table_width", "i32"),
+        Param("table_stride", "i64"),
+        Param("conv_mode", "i32"),  # 0: no conv state, 1: channel by channel, 2: 16-byte rows
+        Param("conv_slot_stride", "i64"),
+        Param("conv_dim_stride", "i64"),
+        Param("conv_token_stride", "i64"),
         Param("lower_bound", "f32"),
         Param("null_slot", "i64"),
         Param("stream", "stream"),

@@ -25,6 +25,7 @@ class CommitCase:
     full_accept: bool = False  # every request accepts the whole window (the benchmark case)
     null_slot: int = 0
     extra_rows: int = 3  # corr/kg rows beyond B (vLLM sizes them for the max batch)
+    outside: bool = False  # two requests' slots outside the pool (padding: never touched)
 
 
 CHECK_CASES = (
@@ -33,6 +34,7 @@ CHECK_CASES = (
     CommitCase("edges", 37, null_fraction=0.25, zero_accept_fraction=0.2),
     CommitCase("pad-slot-1", 9, null_fraction=0.3, null_slot=-1),
     CommitCase("full-window", 70, full_accept=True),
+    CommitCase("outside-pool", 12, outside=True),
 )
 
 
@@ -65,6 +67,8 @@ def make_commit_inputs(
     slots = (order[:b] + first).to(slot_dtype)
     if case.null_fraction:
         slots[rand(b) < case.null_fraction] = case.null_slot
+    if case.outside:
+        slots[0], slots[-1] = -3, slots_total + 2
     if case.full_accept:
         accepted = torch.full((b,), window, dtype=torch.int32, device=dev)
     else:

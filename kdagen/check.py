@@ -55,13 +55,15 @@ class CaseResult:
 
 
 def touched_mask(inputs: dict[str, object]) -> torch.Tensor:
-    """[slots] bool: slots the contract lets commit write (live request, accepted > 0)."""
+    """[slots] bool: slots the contract lets commit write (live request: a slot inside the
+    pool above the null slot, accepted > 0)."""
     state, slots, accepted = inputs["state"], inputs["slots"], inputs["accepted"]
     assert isinstance(state, torch.Tensor) and isinstance(slots, torch.Tensor)
     assert isinstance(accepted, torch.Tensor)
-    live = (slots.long() > int(inputs["null_slot"])) & (accepted > 0)  # type: ignore[arg-type]
+    slot = slots.long()
+    live = (slot > int(inputs["null_slot"])) & (slot < state.shape[0]) & (accepted > 0)  # type: ignore[arg-type]
     mask = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
-    mask[slots.long()[live]] = True
+    mask[slot[live]] = True
     return mask
 
 
@@ -110,8 +112,12 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
 
 
 def check_commit(variant: Variant, seed: int = 0) -> list[CaseResult]:
-    """All commit check cases, each on fresh random inputs (the seed moves per case)."""
-    return [run_commit_case(variant, case, seed + i) for i, case in enumerate(CHECK_CASES)]
+    """All commit check cases, one layer's and a model's (``kdagen.check_model_commit``),
+    each on fresh random inputs (the seed moves per case)."""
+    from kdagen.check_model_commit import check_model_commit
+
+    single = [run_commit_case(variant, case, seed + i) for i, case in enumerate(CHECK_CASES)]
+    return single + check_model_commit(variant, seed)
 
 
 STATIC_ONLY = (

@@ -230,15 +230,29 @@ def bench(
     ),
     no_torch: bool = typer.Option(False, "--no-torch", help="commit: same as --no-peers"),
     seed: int = typer.Option(0, help="input seed"),
+    layers: int = typer.Option(
+        1,
+        help="commit: L > 1 times a model's all-layer commit (vLLM's commit context, "
+        "the dispatched variant) and its decode step, vLLM's Triton ops as the peer",
+    ),
+    step: bool = typer.Option(
+        True, "--step/--no-step", help="with --layers: also time L verifies + the commit"
+    ),
     out: Path = typer.Option(
         None, help="rows as JSON here, CSV and SVG plot beside it (default: out/bench/KEY.json)"
     ),
 ) -> None:
     """Time verify or commit variants of one contract key over a batch sweep (cold L2, CUDA
-    graphs, the method of docs/anchors.md) against the HBM floor and the peers."""
+    graphs, the method of docs/anchors.md) against the HBM floor and the peers; with
+    --layers, a whole model's commit and decode step."""
     _require_gpu()
     from kdagen import bench as kbench
 
+    if layers < 1:
+        raise typer.BadParameter(f"--layers {layers}: must be at least 1")
+    if layers > 1:
+        _bench_model(kernel, heads, window, layers, batches, peers, step, seed, out)
+        return
     chosen_kernel = _bench_kernel(kernel, space)
     wanted = {"kernel": chosen_kernel, "heads": heads, "window": window, "slot_dtype": "int32"}
     if chosen_kernel == "verify":
@@ -273,6 +287,42 @@ def bench(
     svg_path = kbench.plot_results(rows, chosen_kernel, title, path.with_suffix(".svg"))
     _bench_table(rows, heads, chosen_kernel, conv)
     typer.echo(f"wrote {json_path}, {csv_path}, {svg_path}")
+
+
+def _bench_model(kernel: str | None, heads: int, window: int, layers: int, batches: str,
+                 peers: bool, step: bool, seed: int, out: Path | None) -> None:  # fmt: skip
+    """`bench --layers L`: the all-layer commit and the decode step (kdagen.bench_model)."""
+    from kdagen import bench as kbench
+    from kdagen import bench_model
+
+    if kernel not in (None, "commit"):
+        raise typer.BadParameter("--layers applies to the commit (one launch for every layer)")
+    sizes = [int(b) for b in batches.split(",")]
+    bw = kbench.copy_bandwidth()
+    typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {layers} layers, H {heads}, Q {window}")
+    rows = bench_model.bench_model(heads, window, layers, sizes, bw, peers=peers, step=step,
+                                   seed=seed)  # fmt: skip
+    key = f"model-l{layers}-h{heads}-q{window}"
+    path = out or Path("out") / "bench" / f"{key}.json"
+    header = _bench_header("commit", key, "sm_90a", bw, "vLLM's Triton commit and verify "
+                           "(.peers)" if peers else "none (--no-peers)")  # fmt: skip
+    header["method"]["floor"] = bench_model.__doc__.split("The floor")[1].strip()
+    json_path, csv_path = kbench.write_results(path, header, rows)
+    typer.echo(f"{'B':>5} {'floor':>8} {'commit':>8} {'%floor':>7} {'vllm':>8} {'no-conv':>8} "
+               f"{'floor':>8} {'step':>9} {'floor':>8} {'vllm step':>10}")  # fmt: skip
+    for r in rows:
+        typer.echo(
+            f"{r.batch:>5} {r.commit_floor_us:>8.2f} {r.commit_us:>8.2f} "
+            f"{100 * r.commit_floor_us / r.commit_us:>6.1f}% {_us(r.vllm_commit_us):>8} "
+            f"{r.commit_no_conv_us:>8.2f} {r.commit_no_conv_floor_us:>8.2f} "
+            f"{_us(r.step_us):>9} {_us(r.step_floor_us):>8} {_us(r.vllm_step_us):>10}"
+        )
+    typer.echo(f"wrote {json_path}, {csv_path} (us per launch; commit: vLLM's commit context "
+               "with the conv compacted; no-conv: ModelCommit)")  # fmt: skip
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _bench_kernel(kernel: str | None, space: list[str] | None) -> str:

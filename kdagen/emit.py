@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 # The run-time modules an emitted package carries (kdagen/<name>.py, copied).
 RUNTIME_MODULES = (
-    "abi", "bundle", "dispatch", "fingerprint", "runtime", "validate", "variant", "vllm",
+    "abi", "bundle", "dispatch", "fingerprint", "model_commit", "runtime", "validate",
+    "variant", "vllm",
 )  # fmt: skip
 KDAGEN_IMPORT = re.compile(r"\bfrom kdagen(?=[. ])")
 
@@ -193,14 +194,20 @@ by kdagen {manifest["kdagen"]} on {manifest["emitted"]} from the dispatch table 
 
     verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg, ...)
     commit(state, corr, kg, a_log, dt_bias, slots, accepted, ...)
+    ModelCommit(states, corrs, kgs, a_logs, dt_biases, ...).commit(slots, accepted, ...)
     kda_recoverssm_verify(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, ...)
+    KDARecoverSSMCommitContext.create(layers, spec_query_len=, max_num_reqs=).commit(...)
 
 Arguments and layouts as in kdagen's README; bad input raises KdaInputError.
 """
 
+from {manifest["package"]}.model_commit import ModelCommit
 from {manifest["package"]}.runtime import commit, verify
 from {manifest["package"]}.validate import KdaInputError
-from {manifest["package"]}.vllm import kda_recoverssm_verify
+from {manifest["package"]}.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
 
-__all__ = ["KdaInputError", "commit", "kda_recoverssm_verify", "verify"]
+__all__ = [
+    "KDARecoverSSMCommitContext", "KdaInputError", "ModelCommit", "commit",
+    "kda_recoverssm_verify", "verify",
+]
 '''

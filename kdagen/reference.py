@@ -29,8 +29,11 @@ __all__ = [
     "K",
     "NORM_EPS",
     "V",
+    "CommitPlan",
     "Requests",
     "commit",
+    "commit_layers",
+    "commit_plan",
     "conv_window_outputs",
     "fma_f32",
     "fold_accepted",
@@ -481,6 +484,146 @@ def _store_verify(
 # --------------------------------------------------------------------------- commit
 
 
+@dataclass(frozen=True)
+class CommitPlan:
+    """What commit does for each request b (tensors [B] on the inputs' device).
+
+    Fold ``count[b]`` tokens of records row ``record[b]`` into the state read from slot
+    ``source[b]`` and store it to slot ``final[b]``, when ``live[b]``; with prefix caching,
+    also store the state after ``boundary_count[b]`` tokens to slot ``boundary[b]`` when
+    ``boundary_live[b]`` (first, so the final state wins should the two slots coincide).
+    A slot outside ``(null_slot, slot_count)`` is a padding request's.
+    """
+
+    source: Tensor  # int64
+    record: Tensor  # int64
+    count: Tensor  # int64, 0..Q
+    final: Tensor  # int64
+    boundary: Tensor  # int64
+    boundary_count: Tensor  # int64
+    live: Tensor  # bool
+    boundary_live: Tensor  # bool
+
+
+def commit_plan(
+    slots: Tensor,
+    accepted: Tensor,
+    *,
+    null_slot: int,
+    slot_count: int,
+    window: int,
+    rows: int,
+    records_by_slot: bool = False,
+    query_start: Tensor | None = None,
+    request_index: Tensor | None = None,
+    block_table: Tensor | None = None,
+    num_computed: Tensor | None = None,
+    block_size: int = 0,
+) -> CommitPlan:
+    """The plan every commit kernel computes per request, from kdagen's arguments (``slots``,
+    ``accepted`` [B]: records row b) or vLLM's commit context (records row = slot,
+    ``accepted`` indexed by ``request_index[b]``, at most the window's length from
+    ``query_start``, and with ``block_size > 0`` prefix caching: the final state goes to the
+    block-table slot of the last committed token, the state at the first block boundary the
+    window crosses to that block's slot). Indices outside their tensors make a padding
+    request; nothing is read there."""
+    batch, device = slots.shape[0], slots.device
+    source = slots.long()
+    in_pool = (source > null_slot) & (source < slot_count)
+    record = source if records_by_slot else torch.arange(batch, device=device)
+    source_ok = in_pool & (record < rows)
+    owner = torch.arange(batch, device=device) if request_index is None else request_index.long()
+    owner_ok = (owner >= 0) & (owner < accepted.shape[0])
+    owner = torch.where(owner_ok, owner, 0)
+    count = torch.where(owner_ok, accepted.long()[owner].clamp(0, window), 0)
+    if query_start is not None:
+        count = torch.minimum(count, query_start[1:].long() - query_start[:-1].long())
+    final, boundary = source, torch.full_like(source, null_slot)
+    boundary_count = torch.zeros_like(count)
+    if block_size > 0:
+        assert block_table is not None and num_computed is not None
+        width = block_table.shape[1]
+        done = num_computed.long()[owner]
+        last_block = ((done + count) // block_size).clamp(max=width - 1)
+        table = block_table.long()[owner]  # [B, width]
+        final = torch.where(
+            last_block >= 0, table.gather(1, last_block.clamp(min=0)[:, None])[:, 0], null_slot
+        )
+        block = done // block_size
+        crosses = (done + count >= (block + 1) * block_size) & (block >= 0) & (block < width)
+        at_block = table.gather(1, block.clamp(0, width - 1)[:, None])[:, 0]
+        boundary = torch.where(crosses, at_block, null_slot)
+        boundary_count = torch.where(crosses, (block + 1) * block_size - done, 0)
+    live = source_ok & (count > 0) & (final > null_slot) & (final < slot_count)
+    boundary_live = live & (boundary > null_slot) & (boundary < slot_count)
+    return CommitPlan(source, record, count, final, boundary, boundary_count, live, boundary_live)
+
+
+def _fold_layer(
+    state: Tensor,
+    corr: Tensor,
+    kg: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    source: Tensor,
+    record: Tensor,
+    count: Tensor,
+    lower_bound: float,
+    compute_dtype: torch.dtype,
+) -> Tensor:
+    """The states of ``source`` [N] slots after folding ``count`` [N] tokens of their
+    records rows ``record`` [N]: [N, H, V, K] in ``compute_dtype``. Rows i >= count are
+    selected away (never multiplied), so whatever they hold cannot leak in."""
+    heads, window = state.shape[1], corr.shape[2]
+    keep = (torch.arange(window, device=kg.device) < count[:, None])[:, None, :, None]  # N,1,Q,1
+    records = kg[record]  # [N, H, Q, 2K]
+    k_raw = torch.where(keep, records[..., :K], 0.0)
+    g_raw = torch.where(keep, records[..., K:], 0.0)
+    g = gate(g_raw.transpose(1, 2), a_log, dt_bias, lower_bound, compute_dtype).transpose(1, 2)
+    g_cum = torch.where(keep, g, 0.0).cumsum(dim=2)
+    u = torch.where(keep, corr[record].to(compute_dtype), 0.0)
+    s0 = state[source].to(compute_dtype)
+    k_n = l2_normalise(k_raw, compute_dtype)
+    return fold_accepted(s0, k_n, u, g_cum, count[:, None].expand(-1, heads))
+
+
+def commit_layers(
+    states: list[Tensor],
+    corrs: list[Tensor],
+    kgs: list[Tensor],
+    a_log: Tensor,
+    dt_bias: Tensor,
+    plan: CommitPlan,
+    *,
+    lower_bound: float,
+    conv_states: list[Tensor] | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> None:
+    """Every layer's commit of ``plan``, in place: ``states[l]`` [slots, H, V, K],
+    ``corrs[l]`` [rows, H, Q, V], ``kgs[l]`` [rows, H, Q, 2K], ``a_log`` [L, H],
+    ``dt_bias`` [L, H*K]; with ``conv_states[l]`` ([slots, dim, Q + 2] views, any strides)
+    vLLM's compaction: the 3 history rows from token count - 1 on move to rows 0..2 of the
+    final slot (from the boundary on, of the boundary slot). Every read precedes every
+    write, and boundary slots are written before final ones."""
+    live, both = plan.live, plan.boundary_live
+    history = torch.arange(CONV_WIDTH - 1, device=plan.count.device)
+    for layer, (state, corr, kg) in enumerate(zip(states, corrs, kgs, strict=True)):
+        args = (state, corr, kg, a_log[layer], dt_bias[layer])
+        final = _fold_layer(*args, plan.source[live], plan.record[live], plan.count[live],
+                            lower_bound, compute_dtype)  # fmt: skip
+        crossing = _fold_layer(*args, plan.source[both], plan.record[both],
+                               plan.boundary_count[both], lower_bound, compute_dtype)  # fmt: skip
+        if conv_states is not None:
+            conv = conv_states[layer]
+            kept = conv[plan.source[live][:, None], :, plan.count[live][:, None] - 1 + history]
+            crossed = conv[plan.source[both][:, None], :,
+                           plan.boundary_count[both][:, None] - 1 + history]  # fmt: skip
+            conv[plan.boundary[both][:, None], :, history] = crossed
+            conv[plan.final[live][:, None], :, history] = kept
+        state[plan.boundary[both]] = crossing.to(state.dtype)
+        state[plan.final[live]] = final.to(state.dtype)
+
+
 def commit(
     state: Tensor,
     corr: Tensor,
@@ -494,9 +637,9 @@ def commit(
     null_slot: int,
     compute_dtype: torch.dtype = torch.float64,
 ) -> None:
-    """Folds the accepted prefix into state[slot, h] in place (cast to state.dtype): for requests
-    with slot > null_slot and accepted[b] > 0 (accepted <= Q assumed). Other slots untouched.
-    H = state.shape[1], Q = corr.shape[2]."""
+    """Folds the accepted prefix into state[slot, h] in place (cast to state.dtype): for
+    requests whose slot lies in (null_slot, slots) with accepted[b] > 0 (clamped to Q). Other
+    slots untouched. H = state.shape[1], Q = corr.shape[2]; request b reads records row b."""
     heads, batch = state.shape[1], slots.shape[0]
     _check_shape("state", state, (state.shape[0], heads, V, K))
     _check_float("state", state)
@@ -513,26 +656,10 @@ def commit(
     _check_dtype("slots", slots, _INDEX_DTYPES)
     _check_shape("accepted", accepted, (batch,))
     _check_dtype("accepted", accepted, _INDEX_DTYPES)
-
-    count = accepted.long()
-    slot = slots.long()
-    live = (slot > null_slot) & (count > 0)
-    if not live.any():
-        return
-    if count[live].max() > window:
-        _fail("accepted", "values <=", window, count[live].tolist())
-    check_live_slots("slots", slot, live, state.shape[0], unique=True)
-    sel = torch.nonzero(live, as_tuple=True)[0]
-    slot, count = slot[sel], count[sel]
-    keep = (torch.arange(window, device=kg.device) < count[:, None])[:, None, :, None]  # N,1,Q,1
-    record = kg[sel]  # [N, H, Q, 2K]
-    k_raw = torch.where(keep, record[..., :K], 0.0)
-    g_raw = torch.where(keep, record[..., K:], 0.0)
-    g = gate(g_raw.transpose(1, 2), a_log, dt_bias, lower_bound, compute_dtype).transpose(1, 2)
-    g_cum = torch.where(keep, g, 0.0).cumsum(dim=2)
-    u = torch.where(keep, corr[sel].to(compute_dtype), 0.0)
-    s0 = state[slot].to(compute_dtype)
-    folded = fold_accepted(
-        s0, l2_normalise(k_raw, compute_dtype), u, g_cum, count[:, None].expand(-1, heads)
-    )
-    state[slot] = folded.to(state.dtype)
+    plan = commit_plan(
+        slots, accepted, null_slot=null_slot, slot_count=state.shape[0], window=window,
+        rows=corr.shape[0],
+    )  # fmt: skip
+    check_live_slots("slots", plan.source, plan.live, state.shape[0], unique=True)
+    commit_layers([state], [corr], [kg], a_log[None], dt_bias[None], plan,
+                  lower_bound=lower_bound, compute_dtype=compute_dtype)  # fmt: skip

@@ -162,8 +162,9 @@ def commit(
 
     state [slots, H, 128, 128] bf16 (slot stride may be padded), corr [rows, H, Q, 128] fp32,
     kg [rows, H, Q, 256] bf16 (request b reads row b), a_log [H] fp32, dt_bias [H*128] fp32,
-    slots [B] int32/int64 (``<= null_slot``: padding), accepted [B] int32 (0..Q).
-    Launches on the current stream; no allocation, no synchronisation.
+    slots [B] int32/int64 (``<= null_slot`` or outside the pool: padding), accepted [B] int32
+    (clamped to 0..Q). One layer; ``kdagen.ModelCommit`` folds every layer of a model in one
+    launch. Launches on the current stream; no allocation, no synchronisation.
     """
     launch = validate_commit(
         state, corr, kg, a_log, dt_bias, slots, accepted,
@@ -171,18 +172,43 @@ def commit(
     )  # fmt: skip
     if launch.batch == 0:
         return
+    launch_commit(
+        launch.variant, state=state, corr=corr, kg=kg, a_log=a_log, dt_bias=dt_bias,
+        slots=slots, accepted=accepted, layers=1, batch=launch.batch, owners=launch.batch,
+        slot_count=launch.slot_count, slot_stride=launch.slot_stride, rows=corr.shape[0],
+        corr_row_stride=corr.stride(0), kg_row_stride=kg.stride(0),
+        lower_bound=float(lower_bound), null_slot=int(null_slot),
+    )  # fmt: skip
+
+
+# What the commit kernel's plan arguments are when a caller has none of vLLM's extras: no
+# layer table (one layer), records by request row, accepted by request, no window lengths,
+# no prefix caching, no conv state. Absent tensors are never read (the pointer is `state`).
+_COMMIT_DEFAULTS: dict[str, Any] = {
+    "records_by_slot": 0, "indirect": 0, "windowed": 0, "block_size": 0, "table_rows": 0,
+    "table_width": 0, "table_stride": 0, "conv_mode": 0, "conv_slot_stride": 0,
+    "conv_dim_stride": 0, "conv_token_stride": 0,
+}  # fmt: skip
+_COMMIT_TENSORS = (
+    "conv_state", "layer_offsets", "request_index", "query_start", "block_table", "num_computed",
+)  # fmt: skip
+
+
+def launch_commit(variant: Variant, **values: Any) -> None:
+    """Launch the commit kernel on the current stream; ``values`` maps its parameters
+    (``kdagen.abi.commit_params``) to tensors and numbers; the plan parameters a caller
+    leaves out take ``_COMMIT_DEFAULTS`` and absent tensors are never read."""
     from kdagen.abi import launch_args
 
-    fn = launcher(launch.variant, device_arch(state.device))
-    values = {
-        "state": state, "corr": corr, "kg": kg, "a_log": a_log, "dt_bias": dt_bias,
-        "slots": slots, "accepted": accepted, "batch": launch.batch,
-        "slot_count": launch.slot_count, "slot_stride": launch.slot_stride,
-        "lower_bound": float(lower_bound), "null_slot": int(null_slot),
-        "stream": torch.cuda.current_stream(state.device),
-    }  # fmt: skip
+    state = values["state"]
+    values = _COMMIT_DEFAULTS | values
+    for name in _COMMIT_TENSORS:
+        if values.get(name) is None:
+            values[name] = state
+    values["stream"] = torch.cuda.current_stream(state.device)
+    fn = launcher(variant, device_arch(state.device))
     with torch.cuda.device(state.device):
-        fn(*launch_args(launch.variant, values))
+        fn(*launch_args(variant, values))
 
 
 def _dispatched(

@@ -1,4 +1,5 @@
-"""A drop-in for vLLM's ``kda_recoverssm_verify`` (Kimi-K3 RecoverSSM), on kdagen's verify.
+"""Drop-ins for vLLM's Kimi-K3 RecoverSSM ops: ``kda_recoverssm_verify`` on kdagen's verify and
+``KDARecoverSSMCommitContext`` on kdagen's all-layer commit.
 
 Same signature and layouts as vLLM's Triton kernel (and FlashInfer's CuTe-DSL one): q, k, v,
 raw_g [1, T, H, 128], raw_beta [1, T, H], the correction and key/gate caches indexed by state
@@ -7,12 +8,17 @@ block (``state_indices[b]``, not by request), null block 0, conv done upstream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
+from kdagen.model_commit import ModelCommit
 from kdagen.runtime import launch_verify, validate_verify
-from kdagen.validate import KdaInputError
+from kdagen.validate import KdaInputError, check_scalar
 
 OP = "kdagen.vllm.kda_recoverssm_verify"
+COMMIT_OP = "kdagen.vllm.KDARecoverSSMCommitContext"
 NULL_BLOCK_ID = 0  # vLLM's padding block
 
 
@@ -51,18 +57,47 @@ def kda_recoverssm_verify(
     """Verify each request's window from its checkpoint without writing the checkpoint;
     fills ``correction_cache`` / ``kg_cache`` rows ``state_indices[b]`` for the commit and
     returns ``out`` [1, T, H, 128] (allocated when None, like vLLM)."""
+    return verify_records(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, checkpoint_state,
+        correction_cache, kg_cache, query_start_loc, state_indices, spec_query_len, out,
+        records_by_slot=True,
+    )  # fmt: skip
+
+
+def verify_records(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,  # noqa: N803 (vLLM's parameter name)
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    checkpoint_state: torch.Tensor,
+    correction: torch.Tensor,
+    key_gate: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    spec_query_len: int,
+    out: torch.Tensor | None = None,
+    *,
+    records_by_slot: bool,
+) -> torch.Tensor:
+    """``kda_recoverssm_verify`` with the records in row ``state_indices[b]``
+    (``records_by_slot``, vLLM's caches per state block) or in row b (vLLM 0.33's
+    ``KDARecoverSSMRecords``, rows per request of the step)."""
     if lower_bound is None:
         raise KdaInputError(f"{OP}: `lower_bound` must be a negative float (Kimi-K3's bounded "
                             "gate); the unbounded softplus gate is not implemented")  # fmt: skip
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if (
-        not isinstance(correction_cache, torch.Tensor)
-        or correction_cache.dim() != 4
-        or (correction_cache.shape[2] != spec_query_len)
+        not isinstance(correction, torch.Tensor)
+        or correction.dim() != 4
+        or (correction.shape[2] != spec_query_len)
     ):
-        shape = list(correction_cache.shape) if isinstance(correction_cache, torch.Tensor) else None
-        raise KdaInputError(f"{OP}: `correction_cache` must have shape [blocks, H, "
+        shape = list(correction.shape) if isinstance(correction, torch.Tensor) else None
+        raise KdaInputError(f"{OP}: `correction_cache` must have shape [rows, H, "
                             f"spec_query_len={spec_query_len}, 128], got {shape}")  # fmt: skip
     flat_out = _tokens_view("out", out)
     if flat_out.stride(0) != flat_out.shape[1]:
@@ -71,12 +106,127 @@ def kda_recoverssm_verify(
     launch = validate_verify(
         _tokens_view("q", q), _tokens_view("k", k), _tokens_view("v", v), flat_g, flat_beta,
         A_log, dt_bias, checkpoint_state, query_start_loc, state_indices, flat_out,
-        correction_cache, kg_cache, lower_bound=float(lower_bound), null_slot=NULL_BLOCK_ID,
-        records_by_slot=True, op=OP,
+        correction, key_gate, lower_bound=float(lower_bound), null_slot=NULL_BLOCK_ID,
+        records_by_slot=records_by_slot, op=OP,
     )  # fmt: skip
     launch_verify(
         launch, flat_g, flat_beta, A_log, dt_bias, checkpoint_state, query_start_loc,
-        state_indices, flat_out, correction_cache, kg_cache, None, None, None, None,
+        state_indices, flat_out, correction, key_gate, None, None, None, None,
         float(lower_bound), NULL_BLOCK_ID,
     )  # fmt: skip
     return out
+
+
+class KDARecoverSSMCommitContext:
+    """A drop-in for vLLM's commit context (Kimi-K3 RecoverSSM): every layer's accepted tokens
+    folded by one launch of kdagen's commit kernel, the conv state compacted in the same
+    launch.
+
+    ``create(layers, spec_query_len=, max_num_reqs=)`` takes vLLM's KDA layers (each with
+    ``A_log``, ``dt_bias``, ``gate_lower_bound`` and ``kv_cache`` = (conv state, state,
+    correction cache, key/gate cache): records per state block; or, as vLLM 0.33 lays them
+    out, ``kv_cache`` = (conv state, state) and ``recoverssm_records`` with ``correction``
+    and ``key_gate`` rows per request of the step) and prepares the per-layer address table
+    once; ``commit`` then allocates nothing and never synchronises (CUDA-graph safe). The
+    conv state keeps ``conv state length - Q + 1`` history rows.
+    """
+
+    def __init__(self, pools: ModelCommit, spec_query_len: int, max_num_reqs: int) -> None:
+        self.pools, self.spec_query_len, self.max_num_reqs = pools, spec_query_len, max_num_reqs
+
+    @classmethod
+    def create(
+        cls,
+        layers: Sequence[Any],
+        *,
+        spec_query_len: int,
+        max_num_reqs: int,
+        conv_state_dim_first: bool | None = None,
+    ) -> KDARecoverSSMCommitContext:
+        """``conv_state_dim_first``: the conv states' layout ([blocks, dim, len] rather than
+        [blocks, len, dim]); by default vLLM's own setting when vLLM is importable, else
+        token-major."""
+        op = COMMIT_OP
+        if not layers:
+            raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer")
+        by_request = all(hasattr(layer, "recoverssm_records") for layer in layers)
+        need = 2 if by_request else 4
+        if any(len(getattr(layer, "kv_cache", ())) < need for layer in layers):
+            raise KdaInputError(f"{op}: each layer needs `kv_cache` = (conv state, state, "
+                                "correction cache, key/gate cache), or (conv state, state) and "
+                                "`recoverssm_records` (vLLM 0.33)")  # fmt: skip
+        bounds = {layer.gate_lower_bound for layer in layers}
+        if len(bounds) != 1:
+            raise KdaInputError(f"{op}: every layer needs the same `gate_lower_bound`, got "
+                                f"{sorted(map(str, bounds))}")  # fmt: skip
+        lower_bound = bounds.pop()
+        if lower_bound is None:
+            raise KdaInputError(f"{op}: `gate_lower_bound` None (the softplus gate) is not "
+                                "implemented yet; Kimi-K3's bounded gate needs a negative float")  # fmt: skip
+        check_scalar(op, "spec_query_len", spec_query_len, int)
+        check_scalar(op, "max_num_reqs", max_num_reqs, int)
+        if conv_state_dim_first is None:
+            conv_state_dim_first = _vllm_conv_dim_first()
+        caches = [layer.kv_cache for layer in layers]
+        if by_request:  # vLLM 0.33: records per request of the step, outside the KV cache
+            corrs = [layer.recoverssm_records.correction for layer in layers]
+            kgs = [layer.recoverssm_records.key_gate for layer in layers]
+        else:
+            corrs, kgs = [c[2] for c in caches], [c[3] for c in caches]
+        pools = ModelCommit(
+            [c[1] for c in caches], corrs, kgs, [layer.A_log for layer in layers],
+            [layer.dt_bias for layer in layers], lower_bound=float(lower_bound),
+            null_slot=NULL_BLOCK_ID, records_by_slot=not by_request,
+            conv_states=[c[0] for c in caches], conv_dim_first=conv_state_dim_first, op=op,
+        )  # fmt: skip
+        if pools.window != spec_query_len:
+            raise KdaInputError(f"{op}: the correction caches hold {pools.window} positions, "
+                                f"`spec_query_len` is {spec_query_len}")  # fmt: skip
+        return cls(pools, spec_query_len, max_num_reqs)
+
+    def commit(
+        self,
+        num_accepted_tokens: torch.Tensor,
+        state_indices: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        request_indices: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        num_computed_tokens: torch.Tensor | None = None,
+        mamba_block_size: int | None = None,
+    ) -> None:
+        """Fold each request's accepted tokens into every layer (vLLM's semantics): request b
+        commits ``min(num_accepted_tokens[r], its window length)`` tokens, r =
+        ``request_indices[b]`` when given, else b; with ``block_table``,
+        ``num_computed_tokens`` and ``mamba_block_size`` (prefix caching) the state goes to
+        the block of the last committed token and the state at a crossed block boundary to
+        that block."""
+        op = f"{COMMIT_OP}.commit"
+        if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1:
+            raise KdaInputError(f"{op}: `state_indices` must be a 1-D tensor")
+        batch = state_indices.shape[0]
+        if batch > self.max_num_reqs:
+            raise KdaInputError(f"{op}: {batch} requests exceed `max_num_reqs` "
+                                f"({self.max_num_reqs})")  # fmt: skip
+        if request_indices is not None:
+            if (
+                not isinstance(request_indices, torch.Tensor)
+                or request_indices.dim() != 1
+                or (request_indices.shape[0] < batch)
+            ):
+                raise KdaInputError(f"{op}: `request_indices` must be 1-D with at least "
+                                    f"{batch} entries")  # fmt: skip
+            request_indices = request_indices[:batch]
+        self.pools.commit(
+            state_indices, num_accepted_tokens, query_start=query_start_loc,
+            request_index=request_indices, block_table=block_table,
+            num_computed=num_computed_tokens, block_size=mamba_block_size or 0,
+        )  # fmt: skip
+
+
+def _vllm_conv_dim_first() -> bool:
+    """vLLM's conv-state layout setting when vLLM is importable, else token-major."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:
+        return False
+    return bool(is_conv_state_dim_first())

@@ -3,9 +3,12 @@
 # shipped spaces for the host's arch, check every variant, run the GPU tests, benchmark.
 # Usage (repo root, devkit copied to .devkit/): bash scripts/gpu_session.sh [OUTDIR] [STEPS]
 # STEPS (default "compile check pytest bench"): any of compile, check, check_commit, pytest,
-# bench, bench_commit, tune (the shipped workloads, into OUTDIR/gen: copy the GPU's folder to
-# generated/ to ship it). Every step logs to OUTDIR; a short summary is printed last.
-# Env: CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it), BENCHES (subset of
+# bench, bench_commit, tune (the shipped workloads, resuming from generated/ into OUTDIR/gen,
+# then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/),
+# bench_model (the all-layer commit and decode step of a 69-layer model). Every step logs to
+# OUTDIR; a short summary is printed last.
+# Env: COMPILE_SPACES (default: every shipped space), PYTEST_FILES (default: tests),
+# CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it), BENCHES (subset of
 # "h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv"), TUNE_ARGS (extra kdagen tune options).
 set -u
 out="${1:-${OUT:-/tmp/kdagen-out}}"
@@ -36,10 +39,10 @@ for key in ("out_rel_l2", "out_max_rel", "corr_rel_l2", "corr_max_rms"):
 PY
 }
 has() { [[ " $steps " == *" $1 "* ]]; }
-has compile && step compile kdagen compile --arch sm_90a --jobs 16
+has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_SPACES:-}
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
-has pytest && TAIL=8 step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider tests
+has pytest && TAIL=8 step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
 benches="${BENCHES:-h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv}"
 bench_verify() { local name=$1 tail=$2; shift 2; [[ " $benches " == *" $name "* ]] || return 0
   TAIL=$tail step "bench_$name" kdagen bench --space verify_sm90.yaml "$@" --out "$out/bench_verify_$name.json"; }
@@ -54,6 +57,11 @@ if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"
 fi
 if has tune; then
+  mkdir -p "$out/gen" && cp -r generated/nvidia-* "$out/gen/"  # resume: re-measure what changed
   TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" ${TUNE_ARGS:-}
+  cp -r "$out"/gen/nvidia-* generated/ && tar czf "$out/gen.tgz" -C "$out/gen" .
+fi
+if has bench_model; then
+  TAIL=8 step bench_model kdagen bench --layers 69 --heads 12 --window 8 --batches 1,16,64,256 --out "$out/bench_model_l69_h12_q8.json"
 fi
 echo "== summary"; cat "$out/summary.txt"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
+import types
 import xml.etree.ElementTree as ET
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,6 +147,139 @@ def test_fetch_flashinfer_from_a_wheel(tmp_path: Path) -> None:
         zf.writestr(peers.FLASHINFER_FILES[0], "")
     with pytest.raises(FileNotFoundError, match="lacks"):
         peers.fetch_flashinfer(tmp_path / "p2", broken)
+
+
+def _vllm_wheel(folder: Path, version: str = peers.VLLM_VERSION, stub: str | None = None) -> Path:
+    """A fake vllm wheel: METADATA, a licence and a recoverssm.py (``stub``, by default one
+    importing what 0.33.0's does; "": none)."""
+    wheel = folder / f"vllm-{version}-cp38-abi3-manylinux1_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
+        zf.writestr(f"vllm-{version}.dist-info/licenses/LICENSE", "licence\n")
+        zf.writestr("vllm/other.py", "not copied\n")
+        if stub != "":
+            zf.writestr(peers.VLLM_FILE, VLLM_STUB if stub is None else stub)
+    return wheel
+
+
+VLLM_STUB = """\
+from typing import Literal
+
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.models.kimi_k3.nvidia.recoverssm.kernels import cute_recoverssm_commit
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+
+def kda_recoverssm_verify(*args):
+    return "verify"
+
+
+class KDARecoverSSMCommitContext:
+    backend: Literal["cute", "triton"] = "triton"
+"""  # the imports of 0.33.0's recoverssm.py
+
+
+@pytest.fixture
+def fake_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    """A stand-in ``triton`` (with ``triton.language``) for the shims to import, whether or
+    not the real one is installed; sys.path and the ``vllm`` modules are put back after."""
+    triton = types.ModuleType("triton")
+    triton.language = types.ModuleType("triton.language")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setitem(sys.modules, "triton.language", triton.language)  # type: ignore[attr-defined]
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    saved = {k: m for k, m in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
+    for name in saved:
+        del sys.modules[name]
+    yield triton
+    for name in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def test_peers_fetch_vllm_from_a_wheel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_triton: types.ModuleType
+) -> None:
+    wheel = _vllm_wheel(tmp_path)
+    dest = tmp_path / "peers"
+    args = ["fetch", "--only", "vllm", "--vllm-wheel", str(wheel), "--dest", str(dest)]
+    assert peers.main(args) == 0
+    assert not (dest / "flashinfer").exists() and not (dest / "vllm/other.py").exists()
+    assert (dest / peers.VLLM_FILE).read_text() == VLLM_STUB
+    assert (dest / "vllm/__init__.py").read_text() == '__version__ = "0.33.0"\n'
+    for package in ("vllm/models/kimi_k3/nvidia/ops", "vllm/models/kimi_k3/nvidia/recoverssm",
+                    "vllm/model_executor/layers/mamba", "vllm/v1/attention/backends"):  # fmt: skip
+        parts = package.split("/")
+        for depth in range(2, len(parts) + 1):
+            assert (dest / "/".join(parts[:depth]) / "__init__.py").read_text() == ""
+    assert (dest / "vllm/licenses/LICENSE").read_text() == "licence\n"
+
+    monkeypatch.syspath_prepend(str(dest))
+    import importlib
+
+    importlib.invalidate_caches()
+    stub = importlib.import_module(peers.VLLM_MODULE)
+    assert Path(stub.__file__) == dest / peers.VLLM_FILE
+    assert stub.triton is fake_triton and stub.tl is fake_triton.language
+    assert stub.NULL_BLOCK_ID == 0
+    with pytest.raises(NotImplementedError, match="Triton commit only"):
+        stub.cute_recoverssm_commit(None, None, 1, align=False)
+    monkeypatch.delenv(peers.VLLM_CONV_ENV, raising=False)
+    assert stub.is_conv_state_dim_first() is False
+    monkeypatch.setenv(peers.VLLM_CONV_ENV, "1")
+    assert stub.is_conv_state_dim_first() is True
+    monkeypatch.setenv(peers.VLLM_CONV_ENV, "0")
+    assert stub.is_conv_state_dim_first() is False
+
+    monkeypatch.setenv(peers.PEERS_ENV, str(dest))
+    for load, name in ((peers.vllm_commit(), "KDARecoverSSMCommitContext"),
+                       (peers.vllm_verify(), "kda_recoverssm_verify")):  # fmt: skip
+        assert "\n" not in load.note
+        if torch.cuda.is_available():
+            assert load.fn is getattr(stub, name) and "vllm 0.33.0" in load.note
+        else:
+            assert load.fn is None and "CUDA GPU; none is visible" in load.note
+
+
+def test_peers_vllm_fetch_refuses_other_wheels(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is vllm 0.32.0; the peer is vllm 0.33.0"):
+        peers.fetch_vllm(tmp_path / "p1", _vllm_wheel(tmp_path, version="0.32.0"))
+    with pytest.raises(FileNotFoundError, match="lacks"):
+        peers.fetch_vllm(tmp_path / "p2", _vllm_wheel(tmp_path, stub=""))
+    no_metadata = tmp_path / "bare.whl"
+    with zipfile.ZipFile(no_metadata, "w") as zf:
+        zf.writestr(peers.VLLM_FILE, VLLM_STUB)
+    with pytest.raises(ValueError, match="of no version"):
+        peers.fetch_vllm(tmp_path / "p3", no_metadata)
+    more = _vllm_wheel(tmp_path, stub=VLLM_STUB + "from vllm.envs import VLLM_X\n")
+    with pytest.raises(ValueError, match=r"imports vllm.envs \(VLLM_X\), which kdagen's shims"):
+        peers.fetch_vllm(tmp_path / "p4", more)
+    fewer = _vllm_wheel(tmp_path, stub=VLLM_STUB + "from vllm.triton_utils import tldevice\n")
+    with pytest.raises(ValueError, match=r"vllm.triton_utils \(tldevice\)"):
+        peers.fetch_vllm(tmp_path / "p5", fewer)
+    assert not any((tmp_path / p).exists() for p in ("p1", "p2", "p3", "p4", "p5"))
+
+
+def test_peers_vllm_loader_names_a_missing_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_triton: types.ModuleType
+) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("a vllm is installed: it would be found without a copy")
+    monkeypatch.setenv(peers.PEERS_ENV, str(tmp_path / "empty"))
+    for load in (peers.vllm_commit(), peers.vllm_verify()):
+        assert load.fn is None and "no copy in" in load.note and "--only vllm" in load.note
+
+
+def test_peers_vllm_loader_says_why_not_here() -> None:
+    """Whatever this machine has (a copy or not, triton or not, a GPU or not): one line."""
+    for load in (peers.vllm_commit(), peers.vllm_verify()):
+        assert load.note and "\n" not in load.note
+        assert (load.fn is None) == (
+            "not importable" in load.note or "CUDA GPU; none is visible" in load.note
+        )
 
 
 def test_flashinfer_args_view_our_inputs_and_index_outputs_by_slot() -> None:

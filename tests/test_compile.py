@@ -67,8 +67,10 @@ def test_second_compile_is_a_cache_hit(records, cache: Path) -> None:
 
 
 def test_commit_ptx_has_the_intended_memory_path(records, cache: Path) -> None:
-    """Bulk copies on mbarriers in (Q corr and Q kg rows, then the state in 4 pieces),
-    16-byte shared loads and global stores out, PDL, no local memory."""
+    """Bulk copies on mbarriers in (the state in 4 pieces, Q corr and Q kg rows), 16-byte
+    shared loads and global stores out (16 chunks of 8 bf16 per thread for the final state,
+    16 more for the prefix-caching boundary state, 2 + 2 pieces of the conv history), 16-byte
+    conv history loads, PDL, no local memory."""
     v = Variant(kernel="commit", heads=12, window=8, threads=128, vec=8, row_split=1)
     ptx = (kcompile.variant_dir(v, cache) / "sm_90a" / "kernel.ptx").read_text()
     bulk = re.findall(
@@ -76,7 +78,8 @@ def test_commit_ptx_has_the_intended_memory_path(records, cache: Path) -> None:
     )
     assert len(bulk) == 2 * 8 + 4
     assert len(re.findall(r"mbarrier\.try_wait\.parity", ptx)) >= 1 + 4
-    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 16  # 16 chunks of 8 bf16 per thread
+    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 2 * 16 + 2 * 2
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == 2 * 2
     assert len(re.findall(r"ld\.shared\.v4\.b32", ptx)) >= 16
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx

@@ -508,9 +508,30 @@ def test_commit_rejects_bad_inputs() -> None:
     accepted = torch.full((4,), 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="accepted"):
         reference.commit(**commit_args(inp, accepted[:3]))
-    with pytest.raises(ValueError, match="accepted"):
-        reference.commit(**commit_args(inp, accepted * 3))
     dup = inp["slots"].clone()
     dup[1] = dup[0]
     with pytest.raises(ValueError, match="slots"):
         reference.commit(**{**commit_args(inp, accepted), "slots": dup})
+
+
+def test_commit_clamps_accepted_and_skips_slots_outside_the_pool() -> None:
+    """accepted > Q folds the whole window (the kernels clamp it); a slot below 0 or past
+    the pool is a padding request: its records are never read, no slot is written."""
+    inp = make_verify_inputs(4, 2, 4, seed=43, ragged=False, nulls=False)
+    reference.verify(**verify_args(inp))
+    window = inp["corr"].shape[2]
+    clamped, full = clone_inputs(inp), clone_inputs(inp)
+    reference.commit(**commit_args(clamped, torch.full((4,), 3 * window, dtype=torch.int32)))
+    reference.commit(**commit_args(full, torch.full((4,), window, dtype=torch.int32)))
+    assert torch.equal(clamped["state"], full["state"])
+    outside = clone_inputs(inp)
+    slot_count = outside["state"].shape[0]
+    slots = outside["slots"].clone()
+    slots[0], slots[1] = -3, slot_count
+    outside["corr"][:2] = float("nan")  # their records: never read
+    before = outside["state"].clone()
+    reference.commit(**{**commit_args(outside, torch.full((4,), 2, dtype=torch.int32)),
+                        "slots": slots})  # fmt: skip
+    changed = (outside["state"] != before).flatten(1).any(1)
+    assert changed.nonzero().flatten().tolist() == sorted(slots[2:].tolist())
+    assert not outside["state"].isnan().any()

@@ -450,8 +450,10 @@ def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -
     plans, notes = plan_studies(("commit.yaml", "verify_sm100.yaml"), "workloads.yaml", "sm_90a")
     keys = {p.key: p for p in plans}
     assert "commit-h12-q8-i32" in keys and "commit-h12-q8-i64" in keys
-    assert keys["commit-h12-q8-i32"].workloads == ("h12-q8", "h12-q8-conv")  # commit ignores conv
-    assert keys["commit-h12-q8-i32"].batches == (1, 8, 64, 512)
+    # commit ignores conv; its model workload (kernel: commit) adds buckets of layers x B
+    assert keys["commit-h12-q8-i32"].workloads == ("h12-q8", "h12-q8-conv", "h12-q8-model")
+    assert keys["commit-h12-q8-i32"].batches == (1, 8, 64, 512, 4096, 16384)
+    assert keys["commit-h96-q8-i32"].batches == (1, 8, 64, 512)
     assert len(keys["commit-h12-q8-i32"].candidates) == 11
     assert not any(k.startswith("verify") for k in keys)  # sm_100a only: not on this GPU
     assert any("verify_sm100" in n and "sm_90a" in n for n in notes)

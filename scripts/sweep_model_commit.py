@@ -1,0 +1,91 @@
+"""Every commit variant of one contract key on a model's all-layer commit (GPU).
+
+For each batch: the input sets of ``kdagen bench --layers`` (vLLM 0.33's layout), each
+variant of the shipped commit space for the key timed through ``ModelCommit`` with the conv
+state compacted (and the best without it), vLLM's Triton commit when ``.peers`` holds it.
+The four fastest per batch are printed with their share of the HBM floor.
+
+    python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
+                                         [--batches 1,16,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+
+from kdagen import bench, bench_model
+from kdagen.model_commit import ModelCommit
+from kdagen.peers import vllm_commit
+from kdagen.space import Space
+
+
+def models(sets: list, conv: bool) -> list[ModelCommit]:
+    out = []
+    for s in sets:
+        records = [layer.recoverssm_records for layer in s.layers]
+        out.append(ModelCommit(
+            [layer.kv_cache[1] for layer in s.layers], [r.correction for r in records],
+            [r.key_gate for r in records], [layer.A_log for layer in s.layers],
+            [layer.dt_bias for layer in s.layers],
+            conv_states=[layer.kv_cache[0] for layer in s.layers] if conv else None,
+        ))  # fmt: skip
+    return out
+
+
+def time_variant(sets: list, built: list[ModelCommit], variant: object) -> bench.Timing:
+    return bench.time_graph([
+        partial(m.commit, s.step["state_indices"], s.step["num_accepted_tokens"],
+                query_start=s.step["query_start_loc"], variant=variant)
+        for m, s in zip(built, sets, strict=True)
+    ])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=69)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--batches", default="1,16,64,256")
+    args = parser.parse_args()
+    bw = bench.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    key = f"commit-h{args.heads}-q{args.window}-i32"
+    candidates = [v for v in Space.load("commit.yaml").expand().variants if v.contract_key == key]
+    peer = vllm_commit().fn
+    for batch in (int(b) for b in args.batches.split(",")):
+        probe = bench_model.model_set(args.heads, args.window, args.layers, batch, 0, False)
+        count = bench.sets_for(bench_model.commit_bytes(probe, True))
+        del probe
+        sets = [bench_model.model_set(args.heads, args.window, args.layers, batch, i, False)
+                for i in range(count)]  # fmt: skip
+        floor = bench_model.commit_bytes(sets[0], True) / bw * 1e6
+        floor_plain = bench_model.commit_bytes(sets[0], False) / bw * 1e6
+        with_conv, plain = models(sets, True), models(sets, False)
+        timed = [(time_variant(sets, with_conv, v), v.name) for v in candidates]
+        rows = sorted(timed, key=lambda row: row[0].median_us)
+        best_plain = min((time_variant(sets, plain, v).median_us, v.name) for v in candidates)
+        peer_us = None
+        if peer is not None:
+            contexts = [peer.create(s.layers, spec_query_len=args.window, max_num_reqs=batch)
+                        for s in sets]  # fmt: skip
+            peer_us = bench.time_graph([partial(c.commit, **s.step)
+                                        for c, s in zip(contexts, sets, strict=True)]).median_us  # fmt: skip
+        peer_text = "-" if peer_us is None else f"{peer_us:.2f}"
+        print(f"B={batch} sets={count} floor={floor:.2f} (no conv {floor_plain:.2f}) "
+              f"vllm={peer_text}")  # fmt: skip
+        for t, name in rows[:4]:
+            print(f"   {t.median_us:9.2f} us  {100 * floor / t.median_us:5.1f}% floor  "
+                  f"spread {t.spread_pct:.1f}%  {name}")  # fmt: skip
+        print(
+            f"   worst {rows[-1][0].median_us:.2f} {rows[-1][1]}; no conv best "
+            f"{best_plain[0]:.2f} ({100 * floor_plain / best_plain[0]:.1f}%) {best_plain[1]}"
+        )
+        del sets, with_conv, plain
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

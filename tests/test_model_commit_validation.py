@@ -1,0 +1,147 @@
+"""Input checks of the all-layer commit and vLLM's commit context, on the CPU: each bad input
+gets a KdaInputError naming the tensor or option and what was expected."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kdagen.model_commit import ModelCommit
+from kdagen.validate import KdaInputError
+from kdagen.vllm import KDARecoverSSMCommitContext
+
+K, H, Q, SLOTS, LAYERS = 128, 2, 4, 6, 3
+
+
+def pools(**changes) -> dict:
+    """Three layers of valid CPU pools, with ``changes`` applied to the keyword arguments."""
+    args = dict(
+        states=[torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16) for _ in range(LAYERS)],
+        corrs=[torch.zeros(SLOTS, H, Q, K) for _ in range(LAYERS)],
+        kgs=[torch.zeros(SLOTS, H, Q, 2 * K, dtype=torch.bfloat16) for _ in range(LAYERS)],
+        a_logs=[torch.zeros(H) for _ in range(LAYERS)],
+        dt_biases=[torch.zeros(H * K) for _ in range(LAYERS)],
+    )
+    return args | changes
+
+
+def model(**changes) -> ModelCommit:
+    args = pools(**changes)
+    options = {k: args.pop(k) for k in list(args) if k not in
+               ("states", "corrs", "kgs", "a_logs", "dt_biases")}  # fmt: skip
+    return ModelCommit(*args.values(), require_cuda=False, **options)
+
+
+def test_valid_pools_table_every_layer() -> None:
+    m = model(conv_states=[torch.zeros(SLOTS, Q + 2, 3 * H * K, dtype=torch.bfloat16)
+                           for _ in range(LAYERS)])  # fmt: skip
+    assert m.layers == LAYERS and m.window == Q and m.layer_offsets.shape == (LAYERS, 4)
+    size = [t.element_size() for t in (m.states[0], m.corrs[0], m.kgs[0])]
+    for layer in range(LAYERS):
+        for column, tensors in enumerate((m.states, m.corrs, m.kgs)):
+            delta = tensors[layer].data_ptr() - tensors[0].data_ptr()
+            assert m.layer_offsets[layer, column] * size[column] == delta
+    values = m.validate_step(torch.tensor([1, 0, 5], dtype=torch.int32),
+                             torch.tensor([1, 2, 3], dtype=torch.int32))  # fmt: skip
+    assert values["layers"] == LAYERS and values["conv_mode"] == 2  # token-major, aligned
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"states": []}, "`states` must be a non-empty list"),
+        ({"corrs": [torch.zeros(SLOTS, H, Q, K)] * 2}, "`corrs` must hold one tensor per layer"),
+        (
+            {"states": [torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16)] * 2
+             + [torch.zeros(SLOTS + 1, H, K, K, dtype=torch.bfloat16)]},
+            r"`states\[2\]` must match `states\[0\]`",
+        ),  # fmt: skip
+        ({"kgs": [torch.zeros(SLOTS, H, Q, 2 * K)] * LAYERS}, "`kgs.0.` must be bfloat16"),
+        ({"corrs": [torch.zeros(SLOTS, H, 9, K)] * LAYERS}, r"Q \(1..8\)"),
+        ({"a_logs": [torch.zeros(H + 1)] * LAYERS}, r"`a_logs\[0\]` must be float32"),
+        ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
+        (
+            {"conv_states": [torch.zeros(SLOTS, Q + 2, 3 * H * K + 8, dtype=torch.bfloat16)]
+             * LAYERS},
+            r"`conv_states\[0\]` must have shape",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_pools_are_named(changes: dict, pattern: str) -> None:
+    with pytest.raises(KdaInputError, match=pattern):
+        model(**changes)
+
+
+def test_misaligned_layer_is_refused() -> None:
+    base = torch.zeros(SLOTS * H * Q * K + 1)
+    shifted = base[1:].view(SLOTS, H, Q, K)  # 4 bytes off a 16-byte boundary
+    with pytest.raises(KdaInputError, match=r"`corrs\[0\]` must start on a 16-byte boundary"):
+        model(corrs=[shifted] * LAYERS)
+
+
+@pytest.mark.parametrize(
+    ("step", "pattern"),
+    [
+        ({"slots": torch.tensor([1.0, 2.0])}, "`slots` must be int32 or int64"),
+        ({"accepted": torch.tensor([1, 2, 3], dtype=torch.int32)}, r"`accepted` must have shape \[2\]"),
+        ({"request_index": torch.tensor([0], dtype=torch.int32)}, "`request_index` must have shape"),
+        ({"query_start": torch.tensor([0, 4], dtype=torch.int32)}, "`query_start` must have shape"),
+        ({"block_table": torch.zeros(2, 3, dtype=torch.int32)}, "needs `block_table`, `num_computed`"),
+        (
+            {"block_table": torch.zeros(2, 3, dtype=torch.int32),
+             "num_computed": torch.zeros(2, dtype=torch.int32), "block_size": 2},
+            r"`block_size` must cover one window \(>= 4\)",
+        ),  # fmt: skip
+        (
+            {"block_table": torch.zeros(3, 2, dtype=torch.int32).t(),
+             "num_computed": torch.zeros(2, dtype=torch.int32), "block_size": 16},
+            "`block_table` rows must be contiguous",
+        ),  # fmt: skip
+        ({"slots": torch.arange(SLOTS + 1, dtype=torch.int32),
+          "accepted": torch.ones(SLOTS + 1, dtype=torch.int32)}, "records hold 6 rows"),  # fmt: skip
+    ],
+)
+def test_bad_steps_are_named(step: dict, pattern: str) -> None:
+    args = {"slots": torch.tensor([1, 2], dtype=torch.int32),
+            "accepted": torch.tensor([1, 2], dtype=torch.int32)} | step  # fmt: skip
+    with pytest.raises(KdaInputError, match=pattern):
+        model().validate_step(args.pop("slots"), args.pop("accepted"), **args)
+
+
+def vllm_layers(bounds: list | None = None) -> list[SimpleNamespace]:
+    """vLLM-shaped layers over ``pools()`` (records per state block in kv_cache)."""
+    args, bounds = pools(), bounds or [-5.0] * LAYERS
+    return [
+        SimpleNamespace(
+            kv_cache=(torch.zeros(SLOTS, Q + 2, 3 * H * K, dtype=torch.bfloat16),
+                      args["states"][i], args["corrs"][i], args["kgs"][i]),
+            A_log=args["a_logs"][i], dt_bias=args["dt_biases"][i], gate_lower_bound=bounds[i],
+        )
+        for i in range(LAYERS)
+    ]  # fmt: skip
+
+
+def test_commit_context_refuses_what_it_cannot_serve(monkeypatch) -> None:
+    monkeypatch.setattr("kdagen.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    with pytest.raises(KdaInputError, match="the same `gate_lower_bound`"):
+        KDARecoverSSMCommitContext.create(vllm_layers(bounds=[-5.0, -5.0, -4.0]),
+                                          spec_query_len=Q, max_num_reqs=8)  # fmt: skip
+    with pytest.raises(KdaInputError, match="softplus gate"):
+        KDARecoverSSMCommitContext.create(vllm_layers(bounds=[None] * LAYERS),
+                                          spec_query_len=Q, max_num_reqs=8)  # fmt: skip
+    with pytest.raises(KdaInputError, match="`spec_query_len` is 8"):
+        KDARecoverSSMCommitContext.create(vllm_layers(), spec_query_len=8, max_num_reqs=8)
+    with pytest.raises(KdaInputError, match="`kv_cache` = "):
+        KDARecoverSSMCommitContext.create([SimpleNamespace(kv_cache=(1,))], spec_query_len=Q,
+                                          max_num_reqs=8)  # fmt: skip
+    ctx = KDARecoverSSMCommitContext.create(vllm_layers(), spec_query_len=Q, max_num_reqs=2,
+                                            conv_state_dim_first=False)  # fmt: skip
+    assert ctx.pools.records_by_slot and ctx.pools.conv_states
+    three = torch.tensor([1, 2, 3], dtype=torch.int32)
+    with pytest.raises(KdaInputError, match=r"3 requests exceed `max_num_reqs` \(2\)"):
+        ctx.commit(three, three, torch.arange(4, dtype=torch.int32))
+    with pytest.raises(KdaInputError, match="`request_indices` must be 1-D with at least 2"):
+        ctx.commit(three, three[:2], three, request_indices=three[:1])

@@ -1,27 +1,26 @@
-"""kdagen: autotuning and code generation for KDA speculative verify/commit kernels."""
+"""kdagen: autotuning and code generation for KDA speculative verify/commit kernels.
+
+``kdagen.verify``, ``kdagen.commit`` and ``kdagen.ModelCommit`` are the run-time API
+(``kdagen.runtime``, ``kdagen.model_commit``), imported on first use so that the command line
+need not load torch.
+"""
 
 __version__ = "0.1.0"
 
-
-def commit(*args, **kwargs):  # noqa: ANN002, ANN003 - forwards to the run-time API
-    """See ``kdagen.runtime.commit`` (imported lazily: the CLI need not load torch)."""
-    from kdagen.runtime import commit as run
-
-    return run(*args, **kwargs)
-
-
-def verify(*args, **kwargs):  # noqa: ANN002, ANN003 - forwards to the run-time API
-    """See ``kdagen.runtime.verify`` (imported lazily: the CLI need not load torch)."""
-    from kdagen.runtime import verify as run
-
-    return run(*args, **kwargs)
+_RUNTIME = {
+    "verify": "kdagen.runtime",
+    "commit": "kdagen.runtime",
+    "ModelCommit": "kdagen.model_commit",
+}
 
 
 def __getattr__(name: str) -> object:
-    """``kdagen.ModelCommit``: the all-layer commit (``kdagen.model_commit``), imported on
-    first use like the functions above."""
-    if name == "ModelCommit":
-        from kdagen.model_commit import ModelCommit
+    if name in _RUNTIME:
+        import importlib
 
-        return ModelCommit
+        return getattr(importlib.import_module(_RUNTIME[name]), name)
     raise AttributeError(f"module 'kdagen' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_RUNTIME])

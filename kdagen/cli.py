@@ -49,9 +49,9 @@ def variants(
     for name in space or DEFAULT_SPACES:
         try:
             loaded = Space.load(name)
+            expansion = loaded.expand()
         except SpaceError as err:
             raise typer.BadParameter(str(err)) from None
-        expansion = loaded.expand()
         typer.echo(
             f"space {loaded.name} ({loaded.kernel}): {len(expansion.variants)} variants "
             f"from {expansion.points} points"
@@ -85,7 +85,7 @@ def render(
 def compile(
     arch: list[str] = typer.Option(["sm_90a"], "--arch", "-a", help="sm_90a and/or sm_100a"),
     space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
-    jobs: int = typer.Option(0, "--jobs", "-j", help="worker processes (0: one per CPU)"),
+    jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="worker processes (0: one per CPU)"),
     match: str = typer.Option(None, help="only variants whose name contains this"),
     force: bool = typer.Option(False, help="ignore the compile cache"),
 ) -> None:
@@ -96,13 +96,15 @@ def compile(
     if bad:
         raise typer.BadParameter(f"--arch {bad[0]!r} is not supported; allowed: {list(ARCHS)}")
     selected = _filter(_variants(space), match)
-    typer.echo(f"compiling {len(selected)} variants for {', '.join(arch)}", err=True)
+    builds = sum(a in v.spec.archs for a in arch for v in selected)
+    typer.echo(f"compiling {len(selected)} variants for {', '.join(arch)}: {builds} builds",
+               err=True)  # fmt: skip
     done = [0]
 
     def progress(record: object) -> None:
         done[0] += 1
-        if done[0] % 10 == 0:
-            typer.echo(f"  {done[0]} compiled", err=True)
+        if done[0] % 10 == 0 or done[0] == builds:
+            typer.echo(f"  {done[0]}/{builds} compiled", err=True)
 
     records = compile_many(selected, arch, jobs=jobs, force=force, on_result=progress)
     width = max((len(r.variant) for r in records), default=7)
@@ -407,7 +409,7 @@ def emit(
     key: list[str] = typer.Option(
         None, "--key", help="contract key to serve (repeatable; default: every tuned key)"
     ),
-    jobs: int = typer.Option(0, help="compile processes (0: one per CPU)"),
+    jobs: int = typer.Option(0, min=0, help="compile processes (0: one per CPU)"),
 ) -> None:
     """Turn a tuned table into a package to vendor: prebuilt kernels, the table and the
     run-time API (needs only torch and nvidia-cutlass-dsl)."""
@@ -425,7 +427,14 @@ def emit(
             )
         table = found[0]
     try:
-        done = write_package(table, out, name, key or None, jobs)
+        count = [0]
+
+        def progress(record: object, total: int) -> None:
+            count[0] += 1
+            if count[0] % 10 == 0 or count[0] == total:
+                typer.echo(f"  {count[0]}/{total} kernels compiled", err=True)
+
+        done = write_package(table, out, name, key or None, jobs, progress)
     except (EmitError, StaleTableError, VariantError) as err:
         typer.echo(f"kdagen emit: {err}", err=True)
         raise typer.Exit(1) from None

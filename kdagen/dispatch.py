@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdagen.resources import data_dir
 from kdagen.variant import Variant, VariantError
 
 TABLE_FILE = "dispatch.json"
 FORMAT = 1
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 class StaleTableError(RuntimeError):
@@ -217,12 +217,13 @@ def check_fresh(table: DispatchTable, kernel: str, source: str) -> None:
 
 def generated_root() -> Path:
     """Where tables live: an emitted package's own ``generated/``; else
-    ``$KDAGEN_GENERATED``, else ``generated/`` of the checkout."""
+    ``$KDAGEN_GENERATED``, else the shipped tables (``generated/`` of the checkout, or of the
+    installed package)."""
     from kdagen import bundle
 
     if bundle.active():
         return bundle.table_root()
-    return Path(os.environ.get("KDAGEN_GENERATED", PACKAGE_ROOT / "generated"))
+    return Path(os.environ.get("KDAGEN_GENERATED", data_dir("generated")))
 
 
 # ---- the run-time entry point ----

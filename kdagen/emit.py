@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 # The run-time modules an emitted package carries (kdagen/<name>.py, copied).
 RUNTIME_MODULES = (
-    "abi", "bundle", "dispatch", "fingerprint", "model_commit", "runtime", "validate",
-    "variant", "vllm",
+    "abi", "bundle", "dispatch", "fingerprint", "model_commit", "resources", "runtime",
+    "validate", "variant", "vllm",
 )  # fmt: skip
 KDAGEN_IMPORT = re.compile(r"\bfrom kdagen(?=[. ])")
 
@@ -64,14 +64,22 @@ def emit(
     name: str = "kda_kernels",
     keys: Sequence[str] | None = None,
     jobs: int = 0,
-    on_compiled: Callable[[object], None] | None = None,
+    on_compiled: Callable[[object, int], None] | None = None,
 ) -> Emitted:
     """Write the package ``out/name`` from the table in ``table_dir``; ``keys``: the contract
-    keys to serve (default: every key the table has entries for)."""
+    keys to serve (default: every key the table has entries for). ``on_compiled(record,
+    total)`` is called as each of the ``total`` kernels compiles (or comes from the cache)."""
     from kdagen import dispatch
 
     if not name.isidentifier():
         raise EmitError(f"--name {name!r} is not a Python package name")
+    if out.exists() and not out.is_dir():
+        raise EmitError(f"--out {out} is a file; the package goes in a folder OUT/NAME")
+    repeated = sorted({k for k in keys or () if list(keys or ()).count(k) > 1})
+    if repeated:
+        raise EmitError(f"--key given more than once: {', '.join(repeated)}")
+    if jobs < 0:
+        raise EmitError(f"--jobs {jobs}: must be 0 (one per CPU) or more")
     package = out / name
     _refuse_foreign(package)
     table = dispatch.load_table(table_dir)
@@ -85,7 +93,8 @@ def emit(
     for kernel in sorted({key.split("-", 1)[0] for key in keys}):
         dispatch.check_fresh(table, kernel, str(table_dir / dispatch.TABLE_FILE))
     variants = sorted({v for by_batch in choices.values() for v in by_batch.values()})
-    objects = _compile([Variant.parse(v) for v in variants], arch, jobs, on_compiled)
+    report = (lambda record: on_compiled(record, len(variants))) if on_compiled else None
+    objects = _compile([Variant.parse(v) for v in variants], arch, jobs, report)
 
     if package.exists():
         shutil.rmtree(package)  # an earlier emit (checked above)

@@ -73,15 +73,20 @@ class Progress:
     checked: int = 0
     timed: int = 0
     failed: Counter[str] = field(default_factory=Counter)
+    study: tuple[int, int] = (0, 0)  # the study being run, of how many (1-based; 0: unknown)
 
     def show(self, label: str, scored: int, budget: int, best: tuple[float, str] | None) -> None:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.failed.items()))
         best_text = f"best {best[0]:.2f} us {best[1]}" if best else "best -"
         self.echo(
-            f"[{label}] {scored}/{budget} scored | compiled {len(self.compiled)} checked "
+            f"[{self._of()}{label}] {scored}/{budget} scored | compiled {len(self.compiled)} checked "
             f"{self.checked} timed {self.timed} failed {sum(self.failed.values())}"
             f"{f' ({kinds})' if kinds else ''} | {best_text}"
         )
+
+    def _of(self) -> str:
+        index, total = self.study
+        return f"study {index}/{total} " if total else ""
 
 
 class CandidateEvaluator:

@@ -78,20 +78,24 @@ def gate(
     raw_g: Tensor,
     a_log: Tensor,
     dt_bias: Tensor,
-    lower_bound: float,
+    lower_bound: float | None,
     dtype: torch.dtype = torch.float64,
 ) -> Tensor:
-    """Per-channel log decay of one token: ``lower_bound * sigmoid(exp(a_log[h]) * (g + bias))``.
+    """Per-channel log decay of one token: ``lower_bound * sigmoid(exp(a_log[h]) * (g + bias))``
+    (Kimi-K3's bounded gate), or with ``lower_bound`` None Kimi-Linear's unbounded
+    ``-exp(a_log[h]) * softplus(g + bias)``, softplus linear above 20 as in vLLM.
 
     ``raw_g`` is ``[..., H, K]`` (token rows of the ``[T, H*K]`` tensor are ``raw_g.view(T, H, K)``);
-    the result has the same shape, in ``dtype``, and is <= 0 for a negative ``lower_bound``.
+    the result has the same shape, in ``dtype``, and is <= 0 (a negative ``lower_bound``).
     """
     heads = a_log.shape[0]
     if raw_g.shape[-2:] != (heads, K):
         _fail("raw_g", "trailing shape", (heads, K), tuple(raw_g.shape[-2:]))
     rate = torch.exp(a_log.to(dtype))[:, None]
-    bias = dt_bias.to(dtype).reshape(heads, K)
-    return lower_bound * torch.sigmoid(rate * (raw_g.to(dtype) + bias))
+    x = raw_g.to(dtype) + dt_bias.to(dtype).reshape(heads, K)
+    if lower_bound is None:
+        return -rate * torch.nn.functional.softplus(x, beta=1.0, threshold=20.0)
+    return lower_bound * torch.sigmoid(rate * x)
 
 
 def l2_normalise(x: Tensor, dtype: torch.dtype = torch.float64, scale: float = 1.0) -> Tensor:
@@ -399,7 +403,7 @@ def verify(
     corr: Tensor,
     kg: Tensor,
     *,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
     conv_state: Tensor | None = None,
     conv_w: Tensor | None = None,
@@ -568,7 +572,7 @@ def _fold_layer(
     source: Tensor,
     record: Tensor,
     count: Tensor,
-    lower_bound: float,
+    lower_bound: float | None,
     compute_dtype: torch.dtype,
 ) -> Tensor:
     """The states of ``source`` [N] slots after folding ``count`` [N] tokens of their
@@ -595,7 +599,7 @@ def commit_layers(
     dt_bias: Tensor,
     plan: CommitPlan,
     *,
-    lower_bound: float,
+    lower_bound: float | None,
     conv_states: list[Tensor] | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> None:
@@ -633,7 +637,7 @@ def commit(
     slots: Tensor,
     accepted: Tensor,
     *,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
     compute_dtype: torch.dtype = torch.float64,
 ) -> None:

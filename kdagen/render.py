@@ -11,11 +11,10 @@ from pathlib import Path
 import jinja2
 
 from kdagen.fingerprint import dsl_version
+from kdagen.resources import data_dir
 from kdagen.variant import Variant
 
-TEMPLATE_DIR = Path(
-    os.environ.get("KDAGEN_TEMPLATES", Path(__file__).resolve().parents[1] / "templates")
-)
+TEMPLATE_DIR = Path(os.environ.get("KDAGEN_TEMPLATES", data_dir("templates")))
 
 
 @functools.cache

@@ -17,9 +17,10 @@ from typing import Any
 
 import yaml
 
-from kdagen.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, VariantError
+from kdagen.resources import data_dir
+from kdagen.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, VariantError, check_field
 
-SPACE_DIR = Path(__file__).resolve().parents[1] / "search_spaces"
+SPACE_DIR = data_dir("search_spaces")
 DEFAULT_SPACES = ("commit.yaml", "verify_sm90.yaml", "verify_sm100.yaml")
 
 
@@ -57,7 +58,12 @@ class Constraint:
         return cls(str(entry.get("name", expr)), expr, code)
 
     def holds(self, point: dict[str, Any]) -> bool:
-        return bool(eval(self._code, {"__builtins__": {}}, {"K": 128, **point}))  # noqa: S307
+        try:
+            return bool(eval(self._code, {"__builtins__": {}}, {"K": 128, **point}))  # noqa: S307
+        except Exception as err:  # a constraint must decide, not fail: name it and the point
+            shown = ", ".join(f"{k}={v!r}" for k, v in point.items() if k != "kernel")
+            raise SpaceError(f"constraint {self.name!r} ({self.expr}) raised "
+                             f"{type(err).__name__}: {err} at {shown}") from None  # fmt: skip
 
 
 @dataclass
@@ -93,6 +99,11 @@ class Space:
                 values[name] = options if isinstance(options, list) else [options]
                 if not values[name]:
                     raise SpaceError(f"{source}: {section}.{name} has no values")
+                for value in values[name]:
+                    try:
+                        check_field(name, value)
+                    except VariantError as err:
+                        raise SpaceError(f"{source}: {section}.{name}: {err}") from None
         unknown = set(data) - {"kernel", "contract", "tuning", "constraints", "description"}
         if unknown:
             raise SpaceError(f"{source}: unknown top-level key(s) {sorted(unknown)}")

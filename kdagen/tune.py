@@ -250,9 +250,10 @@ def _run(
         ev = CandidateEvaluator(
             compiler, worker, ledger, Progress(echo), options.timeout_s, options.seed
         )
-        for plan in plans:
-            for batch in plan.batches:
-                run_study(ev, storage, plan, batch, stamp, options, default_for)
+        studies = [(plan, batch) for plan in plans for batch in plan.batches]
+        for index, (plan, batch) in enumerate(studies, 1):
+            ev.progress.study = (index, len(studies))
+            run_study(ev, storage, plan, batch, stamp, options, default_for)
         wall = time.time() - started
         results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
         report.write_all(folder, results, stamp.as_dict(), device, wall, _jsonable(options),
@@ -341,6 +342,13 @@ def repick(folder: Path) -> TuneResult:
                 f"{unusable} stud{'y' if unusable == 1 else 'ies'} in {folder} do not match the "
                 "kernels this checkout renders: run kdagen tune on the GPU instead"
             )
+        again = {s.study_name: _picked_again(s) for s in studies}
+        changed = {name: final for name, final in again.items() if final is not None}
+        if not changed:  # every pick stands: the folder is left as it is, byte for byte
+            results = [report.result_of(s) for s in studies]
+            note = "no pick changed under the current rule: nothing rewritten"
+            return TuneResult(folder, results, [note], time.time() - started,
+                              bool(device.get("simulated")))  # fmt: skip
         for study in studies:
             _pick_under_current_rule(study)
         results = [report.result_of(s) for s in studies]
@@ -349,6 +357,15 @@ def repick(folder: Path) -> TuneResult:
                          {"repick": True, "spaces": list(spaces)},
                          space_points(spaces, device["arch"]))  # fmt: skip
     return TuneResult(folder, results, [], time.time() - started, bool(device.get("simulated")))
+
+
+def _picked_again(study: optuna.Study) -> dict[str, Any] | None:
+    """The study's final picked again under the current rule, when its winner changes."""
+    final = study.user_attrs.get("final")
+    if not final or final.get("pick_rule") == PICK_RULE:
+        return None
+    again = pick_again(final)
+    return again if again.get("winner") != final.get("winner") else None
 
 
 def _pick_under_current_rule(study: optuna.Study) -> None:

@@ -34,7 +34,7 @@ def tune(
         None, help="output root; results go to <out>/<gpu-fingerprint>/ [default: generated/]"
     ),
     match: str = typer.Option(None, help="only contract keys containing this"),
-    jobs: int = typer.Option(0, "--jobs", "-j", help="compile processes (0: one per CPU)"),
+    jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
     timeout: float = typer.Option(
         120.0, help="seconds one GPU call (check, or one timing) may take before it fails"
     ),
@@ -117,6 +117,9 @@ def _repick(folder: Path) -> None:
         typer.echo(f"kdagen tune: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(summary_table(result.results, result.simulated))
+    if result.notes:
+        typer.echo(f"{result.folder}: {'; '.join(result.notes)}")
+        return
     typer.echo(f"picked again and rewrote {result.folder} (nothing re-timed)")
 
 

@@ -128,7 +128,7 @@ class Variant:
         if self.path == "" and self.kernel in PATHS and PATHS[self.kernel]:
             object.__setattr__(self, "path", next(iter(PATHS[self.kernel])))
         for f in fields(self):
-            _check_field(f.name, getattr(self, f.name))
+            check_field(f.name, getattr(self, f.name))
         paths = PATHS[self.kernel]
         if self.path not in paths:
             raise VariantError(
@@ -205,7 +205,13 @@ class Variant:
                 f"cannot parse variant name {name!r} (expected e.g. "
                 f"'commit-h12-q8-i32-bulk-t128-v8-r1-pdl'): {err}"
             ) from None
-        return cls(**values)
+        variant = cls(**values)
+        if variant.name != name:  # a missing, extra or misplaced field: not this variant's name
+            raise VariantError(
+                f"{name!r} is not a complete variant name: path {variant.path!r} names "
+                f"{variant.spec.tuning} in that order, e.g. {variant.name!r}"
+            )
+        return variant
 
     @classmethod
     def from_fields(cls, values: dict[str, Any]) -> Variant:
@@ -258,7 +264,8 @@ def _strip(token: str, prefix: str) -> str:
     return token[len(prefix) :]
 
 
-def _check_field(name: str, value: Any) -> None:
+def check_field(name: str, value: Any) -> None:
+    """Raise VariantError unless ``value`` is allowed for field ``name``."""
     if name in _CHOICES:
         allowed = _CHOICES[name]
         # bool is an int subclass: keep True from passing as 1 and 1 as True.

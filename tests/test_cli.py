@@ -121,3 +121,70 @@ def test_check_refuses_sm100_variants_on_another_gpu(monkeypatch: pytest.MonkeyP
         in text
     )
     assert "statically verified" in text and "nothing to run on this sm_90a GPU" in text
+
+
+SPACE = """description: one point
+kernel: commit
+contract: {heads: [HEADS], window: [1], slot_dtype: [int32]}
+tuning: {path: [bulk], threads: [128], vec: [4], row_split: [4], pdl: [true]}
+"""
+
+
+@pytest.mark.parametrize(
+    ("heads", "constraint", "says"),
+    [
+        ("twelve", "", "contract.heads: heads='twelve' is not allowed; expected an int"),
+        ("12", "constraints: [{name: broken, expr: 1 // 0}]",
+         "constraint 'broken' (1 // 0) raised ZeroDivisionError"),
+    ],
+)  # fmt: skip
+def test_a_bad_space_is_one_clear_error(tmp_path: Path, heads: str, constraint: str,
+                                        says: str) -> None:  # fmt: skip
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SPACE.replace("HEADS", heads) + constraint + "\n")
+    for command in ("variants", "compile"):
+        result = runner.invoke(app, [command, "--space", str(bad)])
+        assert result.exit_code == 2, result.output
+        assert says in _flat(result.output) and "Traceback" not in result.output
+
+
+def test_negative_jobs_and_incomplete_names_are_refused() -> None:
+    for command in (["compile", "--jobs", "-1"], ["tune", "--jobs", "-2", "--simulate"],
+                    ["emit", "--jobs", "-1"]):  # fmt: skip
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert "'--jobs'" in result.output and "greater than or equal to 0" in _flat(result.output)
+    for name in ("commit-h12-q8-i32-bulk-t128", "commit-h12-q8-i32-bulk-t128-v4-r2-c264-pdl",
+                 "commit-h12-q8-i32-bulk-t128-v4-r2-pdl-t256"):  # fmt: skip
+        result = runner.invoke(app, ["render", name])
+        assert result.exit_code == 2 and "not a complete variant name" in _flat(result.output)
+
+
+def test_emit_refuses_a_file_as_out_and_repeated_keys(tmp_path: Path) -> None:
+    file = tmp_path / "dist"
+    file.write_text("")
+    result = runner.invoke(app, ["emit", "--out", str(file), "--key", "commit-h12-q1-i32"])
+    assert result.exit_code == 1 and "is a file" in result.output
+    twice = ["--key", "commit-h12-q1-i32"] * 2
+    result = runner.invoke(app, ["emit", "--out", str(tmp_path / "out"), *twice])
+    assert result.exit_code == 1 and "--key given more than once: commit-h12-q1-i32" in result.output
+
+
+def test_compile_progress_counts_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KDAGEN_CACHE", str(tmp_path))
+    name = "commit-h12-q1-i32-bulk-t128-v4-r4-pdl"
+    result = runner.invoke(app, ["compile", "--arch", "sm_90a", "--arch", "sm_100a", "--match",
+                                 name, "-j", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "compiling 1 variants for sm_90a, sm_100a: 2 builds" in result.output
+    assert "2/2 compiled" in result.output
+
+
+def test_help_of_the_runtime_api_is_the_real_signature() -> None:
+    import inspect
+
+    import kdagen
+
+    assert list(inspect.signature(kdagen.verify).parameters)[:2] == ["qkv", "raw_g"]
+    assert "accepted prefix" in (kdagen.commit.__doc__ or "")
+    assert "ModelCommit" in dir(kdagen)

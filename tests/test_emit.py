@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from kdagen.dispatch import (
-    PACKAGE_ROOT,
     TABLE_FILE,
     DispatchFallbackWarning,
     StaleTableError,
     load_table,
 )
 from kdagen.emit import EmitError, emit
+from kdagen.resources import data_dir
 from kdagen.variant import VariantError
 
-TABLE = PACKAGE_ROOT / "generated" / "nvidia-h200-sm90-132sm"
+TABLE = data_dir("generated") / "nvidia-h200-sm90-132sm"
 KEYS = ["verify-h12-q4-i32", "commit-h12-q4-i32"]
 # What an engine that vendors the package must not need: kdagen and the tuning stack.
 BLOCKED = ("kdagen", "jinja2", "optuna", "typer", "yaml")

@@ -54,8 +54,10 @@ def test_valid_pools_table_every_layer() -> None:
         ({"states": []}, "`states` must be a non-empty list"),
         ({"corrs": [torch.zeros(SLOTS, H, Q, K)] * 2}, "`corrs` must hold one tensor per layer"),
         (
-            {"states": [torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16)] * 2
-             + [torch.zeros(SLOTS + 1, H, K, K, dtype=torch.bfloat16)]},
+            {
+                "states": [torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16)] * 2
+                + [torch.zeros(SLOTS + 1, H, K, K, dtype=torch.bfloat16)]
+            },
             r"`states\[2\]` must match `states\[0\]`",
         ),  # fmt: skip
         ({"kgs": [torch.zeros(SLOTS, H, Q, 2 * K)] * LAYERS}, "`kgs.0.` must be bfloat16"),
@@ -63,8 +65,10 @@ def test_valid_pools_table_every_layer() -> None:
         ({"a_logs": [torch.zeros(H + 1)] * LAYERS}, r"`a_logs\[0\]` must be float32"),
         ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
         (
-            {"conv_states": [torch.zeros(SLOTS, Q + 2, 3 * H * K + 8, dtype=torch.bfloat16)]
-             * LAYERS},
+            {
+                "conv_states": [torch.zeros(SLOTS, Q + 2, 3 * H * K + 8, dtype=torch.bfloat16)]
+                * LAYERS
+            },
             r"`conv_states\[0\]` must have shape",
         ),  # fmt: skip
     ],
@@ -85,22 +89,42 @@ def test_misaligned_layer_is_refused() -> None:
     ("step", "pattern"),
     [
         ({"slots": torch.tensor([1.0, 2.0])}, "`slots` must be int32 or int64"),
-        ({"accepted": torch.tensor([1, 2, 3], dtype=torch.int32)}, r"`accepted` must have shape \[2\]"),
-        ({"request_index": torch.tensor([0], dtype=torch.int32)}, "`request_index` must have shape"),
-        ({"query_start": torch.tensor([0, 4], dtype=torch.int32)}, "`query_start` must have shape"),
-        ({"block_table": torch.zeros(2, 3, dtype=torch.int32)}, "needs `block_table`, `num_computed`"),
         (
-            {"block_table": torch.zeros(2, 3, dtype=torch.int32),
-             "num_computed": torch.zeros(2, dtype=torch.int32), "block_size": 2},
+            {"accepted": torch.tensor([1, 2, 3], dtype=torch.int32)},
+            r"`accepted` must have shape \[2\]",
+        ),
+        (
+            {"request_index": torch.tensor([0], dtype=torch.int32)},
+            "`request_index` must have shape",
+        ),
+        ({"query_start": torch.tensor([0, 4], dtype=torch.int32)}, "`query_start` must have shape"),
+        (
+            {"block_table": torch.zeros(2, 3, dtype=torch.int32)},
+            "needs `block_table`, `num_computed`",
+        ),
+        (
+            {
+                "block_table": torch.zeros(2, 3, dtype=torch.int32),
+                "num_computed": torch.zeros(2, dtype=torch.int32),
+                "block_size": 2,
+            },
             r"`block_size` must cover one window \(>= 4\)",
         ),  # fmt: skip
         (
-            {"block_table": torch.zeros(3, 2, dtype=torch.int32).t(),
-             "num_computed": torch.zeros(2, dtype=torch.int32), "block_size": 16},
+            {
+                "block_table": torch.zeros(3, 2, dtype=torch.int32).t(),
+                "num_computed": torch.zeros(2, dtype=torch.int32),
+                "block_size": 16,
+            },
             "`block_table` rows must be contiguous",
         ),  # fmt: skip
-        ({"slots": torch.arange(SLOTS + 1, dtype=torch.int32),
-          "accepted": torch.ones(SLOTS + 1, dtype=torch.int32)}, "records hold 6 rows"),  # fmt: skip
+        (
+            {
+                "slots": torch.arange(SLOTS + 1, dtype=torch.int32),
+                "accepted": torch.ones(SLOTS + 1, dtype=torch.int32),
+            },
+            "records hold 6 rows",
+        ),  # fmt: skip
     ],
 )
 def test_bad_steps_are_named(step: dict, pattern: str) -> None:

@@ -39,6 +39,14 @@ F64 = torch.float64
 # --------------------------------------------------------------------------- oracle B
 
 
+def oracle_gate(x: Tensor, rate: float, lower_bound: float | None) -> Tensor:
+    """One token's log decay from ``x = raw_g + dt_bias`` (fp64): Kimi-K3's bounded gate, or
+    with ``lower_bound`` None Kimi-Linear's ``-rate * softplus(x)`` (x itself above 20)."""
+    if lower_bound is None:
+        return -rate * torch.where(x > 20, x, torch.log(1 + torch.exp(x.clamp(max=20))))
+    return lower_bound * torch.sigmoid(rate * x)
+
+
 def oracle_verify(inp: dict[str, Any]) -> dict[str, Any]:
     """The contract, token by token in fp64. Returns expected ``out``/``corr`` (fp64, NaN where
     not written), ``kg`` and ``conv_state`` (input copies with the allowed elements replaced) and
@@ -83,7 +91,7 @@ def oracle_verify(inp: dict[str, Any]) -> dict[str, Any]:
                 k = mixed[t][heads * K + h * K : heads * K + (h + 1) * K].double()
                 v = mixed[t][2 * heads * K + h * K : 2 * heads * K + (h + 1) * K].double()
                 g_raw = inp["raw_g"][bos + t, chan]
-                g = inp["lower_bound"] * torch.sigmoid(rate * (g_raw.double() + bias))
+                g = oracle_gate(g_raw.double() + bias, rate, inp["lower_bound"])
                 k_n = k / torch.sqrt((k * k).sum() + 1e-6)
                 q_n = q / torch.sqrt((q * q).sum() + 1e-6) * K**-0.5
                 beta = torch.sigmoid(inp["raw_beta"][bos + t, h].double())
@@ -535,3 +543,31 @@ def test_commit_clamps_accepted_and_skips_slots_outside_the_pool() -> None:
     changed = (outside["state"] != before).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == sorted(slots[2:].tolist())
     assert not outside["state"].isnan().any()
+
+
+@pytest.mark.parametrize(("conv", "bias"), [(False, 0.0), (True, 0.0), (False, 160.0), (True, 160.0)])
+def test_softplus_gate_matches_recurrence(conv: bool, bias: float) -> None:
+    """Kimi-Linear's unbounded gate (``lower_bound=None``): verify and commit against the
+    token-by-token recurrence, also where dt_bias makes every gate about -160 e^a_log, so the
+    window's log decay passes -1000 and the state is forgotten inside the window."""
+    inp = make_verify_inputs(5, 2, 8, conv=conv, seed=44, out_dtype=F64, corr_dtype=F64,
+                             state_dtype=F64, lower_bound=None, nulls=True)  # fmt: skip
+    inp["dt_bias"] += bias
+    want = oracle_verify(clone_inputs(inp))
+    if bias:
+        steps = torch.nn.functional.softplus(inp["raw_g"].double() + inp["dt_bias"].double())
+        assert float(steps.min()) * 8 * math.exp(float(inp["a_log"].min())) > 1000
+    reference.verify(**verify_args(inp))
+    masks = verify_write_masks(clone_inputs(inp))
+    assert_written("out", inp["out"], want["out"], masks["out"], rtol=1e-10)
+    assert_written("corr", inp["corr"], want["corr"], masks["corr"], rtol=1e-10)
+    assert torch.isfinite(inp["out"][masks["out"]]).all()
+    accepted = accept_counts(inp, seed=45)
+    poison_rejected_(inp, accepted)
+    reference.commit(**commit_args(inp, accepted))
+    for b, (a, slot) in enumerate(zip(accepted.tolist(), inp["slots"].tolist(), strict=True)):
+        if slot <= inp["null_slot"] or a == 0:
+            continue
+        for h in range(2):
+            expect = want["states"][(b, h)][a - 1]
+            torch.testing.assert_close(inp["state"][slot, h], expect, rtol=1e-10, atol=1e-12)

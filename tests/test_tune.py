@@ -246,6 +246,19 @@ def test_repick_rewrites_a_folder_from_its_stored_finals(tmp_path: Path, workloa
     assert foreign.exit_code == 2 and "1 study" in foreign.output and "on the GPU" in foreign.output
 
 
+def test_repick_that_changes_no_pick_leaves_the_folder_untouched(
+    tmp_path: Path, workloads: Path
+) -> None:
+    run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    before = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    result = runner.invoke(app, ["tune", "--repick", str(folder)])
+    assert result.exit_code == 0, result.output
+    assert "no pick changed" in result.output
+    after = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    assert after == before
+
+
 # ---- the worker ----
 
 

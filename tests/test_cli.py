@@ -167,7 +167,9 @@ def test_emit_refuses_a_file_as_out_and_repeated_keys(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "is a file" in result.output
     twice = ["--key", "commit-h12-q1-i32"] * 2
     result = runner.invoke(app, ["emit", "--out", str(tmp_path / "out"), *twice])
-    assert result.exit_code == 1 and "--key given more than once: commit-h12-q1-i32" in result.output
+    assert (
+        result.exit_code == 1 and "--key given more than once: commit-h12-q1-i32" in result.output
+    )
 
 
 def test_compile_progress_counts_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -449,6 +449,38 @@ def emit(
     )
 
 
+@app.command()
+def doctor(
+    fingerprint: str = typer.Option(
+        None,
+        help="a GPU fingerprint, e.g. nvidia-h100-80gb-hbm3-sm90-132sm (default: the "
+        "visible GPU's)",
+    ),
+    workloads: str = typer.Option("workloads.yaml", help="the workloads whose studies to check"),
+    space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
+) -> None:
+    """Which dispatch table serves a GPU (its own, or a same-architecture GPU's), whether it is
+    fresh, and which (contract key, batch) studies fall back and to what. Exit 0: nothing to
+    re-tune; 1: served with fallbacks; 3: no table or a stale one (re-tune)."""
+    from kdagen.doctor import diagnose
+
+    if fingerprint is None:
+        try:
+            from kdagen.fingerprint import gpu_fingerprint
+
+            fingerprint = gpu_fingerprint()
+        except (AssertionError, RuntimeError):  # torch raises these without CUDA
+            typer.echo("kdagen doctor: no CUDA GPU is visible; pass --fingerprint", err=True)
+            raise typer.Exit(2) from None
+    try:
+        found = diagnose(fingerprint, workloads, tuple(space or DEFAULT_SPACES))
+    except SpaceError as err:
+        typer.echo(f"kdagen doctor: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo("\n".join(found.lines()))
+    raise typer.Exit(found.code)
+
+
 from kdagen.tune_cli import tune  # noqa: E402  (its own module: kdagen/tune_cli.py)
 
 app.command()(tune)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -382,8 +383,9 @@ def _table(folder: Path) -> DispatchTable | None:
 
 
 def _table_folder(device: Any) -> Path | None:
-    """``generated/<fingerprint>/`` of ``device``; ``$KDAGEN_FINGERPRINT`` overrides the
-    fingerprint (a GPU-less test, or a table borrowed from a sibling SKU on purpose)."""
+    """The folder whose table serves ``device`` (``table_folder_for``), warning once when it
+    is another GPU's; ``$KDAGEN_FINGERPRINT`` overrides the fingerprint (a GPU-less test, or a
+    table borrowed from a sibling SKU on purpose)."""
     fingerprint = os.environ.get("KDAGEN_FINGERPRINT") or _fingerprints.get(device)
     if not fingerprint:
         try:
@@ -393,4 +395,36 @@ def _table_folder(device: Any) -> Path | None:
         except (AssertionError, RuntimeError, ImportError):  # no CUDA: torch raises these
             return None
         _fingerprints[device] = fingerprint
-    return generated_root() / fingerprint
+    folder, borrowed = table_folder_for(fingerprint)
+    if borrowed:
+        _warn_once(
+            fingerprint, "borrowed",
+            f"no dispatch table for {fingerprint}; using {borrowed}'s, a GPU of the same "
+            f"architecture (run `kdagen tune` on this GPU for its own)",
+        )  # fmt: skip
+    return folder
+
+
+_FINGERPRINT_TAIL = re.compile(r"-(sm\d+)-(\d+)sm$")
+
+
+def table_folder_for(fingerprint: str) -> tuple[Path, str | None]:
+    """The folder whose table serves a GPU, and the fingerprint it was tuned on when that is
+    another GPU: its own ``generated/<fingerprint>/`` when it holds a table; else a tuned
+    GPU's of the same architecture (``-smXY-``), the closest SM count first (an H100 takes
+    the H200's); else its own folder, which has none."""
+    root = generated_root()
+    own = root / fingerprint
+    mine = _FINGERPRINT_TAIL.search(fingerprint)
+    if (own / TABLE_FILE).exists() or mine is None:
+        return own, None
+    siblings = [
+        (abs(int(theirs.group(2)) - int(mine.group(2))), path.parent.name)
+        for path in sorted(root.glob(f"*/{TABLE_FILE}"))
+        if (theirs := _FINGERPRINT_TAIL.search(path.parent.name))
+        and theirs.group(1) == mine.group(1)
+    ]
+    if not siblings:
+        return own, None
+    name = min(siblings)[1]
+    return root / name, name

@@ -545,7 +545,9 @@ def test_commit_clamps_accepted_and_skips_slots_outside_the_pool() -> None:
     assert not outside["state"].isnan().any()
 
 
-@pytest.mark.parametrize(("conv", "bias"), [(False, 0.0), (True, 0.0), (False, 160.0), (True, 160.0)])
+@pytest.mark.parametrize(
+    ("conv", "bias"), [(False, 0.0), (True, 0.0), (False, 160.0), (True, 160.0)]
+)
 def test_softplus_gate_matches_recurrence(conv: bool, bias: float) -> None:
     """Kimi-Linear's unbounded gate (``lower_bound=None``): verify and commit against the
     token-by-token recurrence, also where dt_bias makes every gate about -160 e^a_log, so the

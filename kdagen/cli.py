@@ -481,9 +481,10 @@ def doctor(
     raise typer.Exit(found.code)
 
 
-from kdagen.tune_cli import tune  # noqa: E402  (its own module: kdagen/tune_cli.py)
+from kdagen.tune_cli import regenerate, tune  # noqa: E402  (kdagen/tune_cli.py)
 
 app.command()(tune)
+app.command()(regenerate)
 
 
 def main() -> None:  # pragma: no cover

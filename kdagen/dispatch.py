@@ -408,12 +408,13 @@ def _table_folder(device: Any) -> Path | None:
 _FINGERPRINT_TAIL = re.compile(r"-(sm\d+)-(\d+)sm$")
 
 
-def table_folder_for(fingerprint: str) -> tuple[Path, str | None]:
+def table_folder_for(fingerprint: str, root: Path | None = None) -> tuple[Path, str | None]:
     """The folder whose table serves a GPU, and the fingerprint it was tuned on when that is
     another GPU: its own ``generated/<fingerprint>/`` when it holds a table; else a tuned
     GPU's of the same architecture (``-smXY-``), the closest SM count first (an H100 takes
-    the H200's); else its own folder, which has none."""
-    root = generated_root()
+    the H200's); else its own folder, which has none. ``root``: the tables' folder
+    (default ``generated_root()``)."""
+    root = root or generated_root()
     own = root / fingerprint
     mine = _FINGERPRINT_TAIL.search(fingerprint)
     if (own / TABLE_FILE).exists() or mine is None:

@@ -70,11 +70,13 @@ def diagnose(
     fingerprint: str,
     workloads: str | Path = "workloads.yaml",
     spaces: Sequence[str] = DEFAULT_SPACES,
+    root: Path | None = None,
 ) -> Diagnosis:
-    """What the run-time lookup does for ``fingerprint`` at every study of ``workloads``."""
+    """What the run-time lookup does for ``fingerprint`` at every study of ``workloads``, with
+    the tables in ``root`` (default: where the run-time looks)."""
     from kdagen.tune import plan_studies
 
-    folder, borrowed = table_folder_for(fingerprint)
+    folder, borrowed = table_folder_for(fingerprint, root)
     table = load_table(folder)
     if table is None:
         return Diagnosis(fingerprint, folder, missing=True)

@@ -86,6 +86,52 @@ def tune(
     typer.echo(f"wrote {result.folder} (dispatch.json, winners.json, report.md, plots/)")
 
 
+def regenerate(
+    space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
+    workloads: Path = typer.Option(
+        Path("workloads.yaml"), help="workloads YAML (a path, or a name in search_spaces/)"
+    ),
+    out: Path = typer.Option(
+        None, help="tables root; this GPU's goes to <out>/<gpu-fingerprint>/ [default: generated/]"
+    ),
+    jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
+    rounds: int = typer.Option(5, min=1, help="interleaved re-timing rounds of the finalists"),
+    simulate: bool = typer.Option(
+        False,
+        hidden=True,
+        envvar="KDAGEN_TUNE_SIMULATE",
+        help="for tests and CI: a simulated GPU and compiler, nothing is measured",
+    ),  # fmt: skip
+) -> None:
+    """What CI runs on a GPU runner: `kdagen doctor`; when this GPU's table is missing, stale
+    or incomplete, `kdagen tune` (every point of each study, resuming the committed studies),
+    a check of every winner and <out>/<gpu>/regenerate.md (the pull request's body). Exit 0
+    when nothing failed, 1 when a winner failed its check."""
+    if not simulate:
+        _require_gpu()
+    from kdagen.regenerate import regenerate as run_regenerate
+    from kdagen.space import DEFAULT_SPACES, SpaceError
+    from kdagen.tune import TuneError, TuneOptions
+
+    options = TuneOptions(spaces=tuple(space or DEFAULT_SPACES), workloads=workloads,
+                          exhaustive=True, out=out, jobs=jobs, rounds=rounds)  # fmt: skip
+    if simulate:
+        from kdagen.simulate import DEFAULT_FAILURES
+
+        options.simulate = DEFAULT_FAILURES
+    try:
+        done = run_regenerate(options, echo=lambda line: typer.echo(line, err=True))
+    except (TuneError, SpaceError) as err:
+        typer.echo(f"kdagen regenerate: {err}", err=True)
+        raise typer.Exit(2) from None
+    if done.tuned is None:
+        return
+    typer.echo(f"wrote {done.tuned.folder} ({len(done.checks)} winners checked, "
+               f"{len(done.failed)} failed)")  # fmt: skip
+    if done.failed:
+        raise typer.Exit(1)
+
+
 def summary_table(results: Sequence[StudyResult], simulated: bool) -> str:
     """One row per study: winner, its time, the default's, speedup, margin, why it won."""
     from kdagen.report import fmt, short_name

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -60,28 +60,11 @@ def tune(
     if repick is not None:
         _repick(repick)
         return
-    if not simulate:
-        _require_gpu()
-    from kdagen.space import DEFAULT_SPACES, SpaceError
-    from kdagen.tune import TuneError, TuneOptions, run
+    from kdagen.tune import run
 
-    options = TuneOptions(
-        spaces=tuple(space or DEFAULT_SPACES), workloads=workloads, trials=trials or 32,
-        exhaustive=exhaustive, storage=storage, out=out, match=match, jobs=jobs,
-        timeout_s=timeout, rounds=rounds, seed=seed,
-    )  # fmt: skip
-    if simulate:
-        from kdagen.simulate import DEFAULT_FAILURES
-
-        options.simulate = DEFAULT_FAILURES
-    try:
-        result = run(options, echo=lambda line: typer.echo(line, err=True))
-    except (TuneError, SpaceError) as err:
-        typer.echo(f"kdagen tune: {err}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        typer.echo("kdagen tune: interrupted; run the same command again to resume", err=True)
-        raise typer.Exit(130) from None
+    result = _run_tuner("tune", run, simulate, space, workloads=workloads, trials=trials or 32,
+                        exhaustive=exhaustive, storage=storage, out=out, match=match, jobs=jobs,
+                        timeout_s=timeout, rounds=rounds, seed=seed)  # fmt: skip
     typer.echo(summary_table(result.results, result.simulated))
     typer.echo(f"wrote {result.folder} (dispatch.json, winners.json, report.md, plots/)")
 
@@ -107,29 +90,41 @@ def regenerate(
     or incomplete, `kdagen tune` (every point of each study, resuming the committed studies),
     a check of every winner and <out>/<gpu>/regenerate.md (the pull request's body). Exit 0
     when nothing failed, 1 when a winner failed its check."""
-    if not simulate:
-        _require_gpu()
     from kdagen.regenerate import regenerate as run_regenerate
-    from kdagen.space import DEFAULT_SPACES, SpaceError
-    from kdagen.tune import TuneError, TuneOptions
 
-    options = TuneOptions(spaces=tuple(space or DEFAULT_SPACES), workloads=workloads,
-                          exhaustive=True, out=out, jobs=jobs, rounds=rounds)  # fmt: skip
-    if simulate:
-        from kdagen.simulate import DEFAULT_FAILURES
-
-        options.simulate = DEFAULT_FAILURES
-    try:
-        done = run_regenerate(options, echo=lambda line: typer.echo(line, err=True))
-    except (TuneError, SpaceError) as err:
-        typer.echo(f"kdagen regenerate: {err}", err=True)
-        raise typer.Exit(2) from None
+    done = _run_tuner("regenerate", run_regenerate, simulate, space, workloads=workloads,
+                      exhaustive=True, out=out, jobs=jobs, rounds=rounds)  # fmt: skip
     if done.tuned is None:
         return
     typer.echo(f"wrote {done.tuned.folder} ({len(done.checks)} winners checked, "
                f"{len(done.failed)} failed)")  # fmt: skip
     if done.failed:
         raise typer.Exit(1)
+
+
+def _run_tuner(command: str, fn: Any, simulate: bool, space: list[str] | None,
+               **fields: Any) -> Any:  # fmt: skip
+    """``fn(TuneOptions(**fields), echo)`` on the GPU (or the simulated one), its errors as one
+    line and exit 2, an interrupt as exit 130."""
+    if not simulate:
+        _require_gpu()
+    from kdagen.space import DEFAULT_SPACES, SpaceError
+    from kdagen.tune import TuneError, TuneOptions
+
+    options = TuneOptions(spaces=tuple(space or DEFAULT_SPACES), **fields)
+    if simulate:
+        from kdagen.simulate import DEFAULT_FAILURES
+
+        options.simulate = DEFAULT_FAILURES
+    try:
+        return fn(options, echo=lambda line: typer.echo(line, err=True))
+    except (TuneError, SpaceError) as err:
+        typer.echo(f"kdagen {command}: {err}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo(f"kdagen {command}: interrupted; run the same command again to resume",
+                   err=True)  # fmt: skip
+        raise typer.Exit(130) from None
 
 
 def summary_table(results: Sequence[StudyResult], simulated: bool) -> str:

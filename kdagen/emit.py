@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 # The run-time modules an emitted package carries (kdagen/<name>.py, copied).
 RUNTIME_MODULES = (
-    "abi", "bundle", "dispatch", "fingerprint", "model_commit", "resources", "runtime",
+    "abi", "bundle", "dispatch", "fingerprint", "model_commit", "ops", "resources", "runtime",
     "validate", "variant", "vllm",
 )  # fmt: skip
 KDAGEN_IMPORT = re.compile(r"\bfrom kdagen(?=[. ])")
@@ -210,6 +210,7 @@ by kdagen {manifest["kdagen"]} on {manifest["emitted"]} from the dispatch table 
 Arguments and layouts as in kdagen's README; bad input raises KdaInputError.
 """
 
+from {manifest["package"]} import ops  # registers the torch ops kdagen::verify, ::commit, ::commit_layers
 from {manifest["package"]}.model_commit import ModelCommit
 from {manifest["package"]}.runtime import commit, verify
 from {manifest["package"]}.validate import KdaInputError
@@ -217,6 +218,6 @@ from {manifest["package"]}.vllm import KDARecoverSSMCommitContext, kda_recoverss
 
 __all__ = [
     "KDARecoverSSMCommitContext", "KdaInputError", "ModelCommit", "commit",
-    "kda_recoverssm_verify", "verify",
+    "kda_recoverssm_verify", "ops", "verify",
 ]
 '''

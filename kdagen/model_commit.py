@@ -170,6 +170,19 @@ class ModelCommit:
                                           device=self.device)  # fmt: skip
         self.states, self.corrs, self.kgs = states, corrs, kgs
 
+    def over(
+        self, states: Sequence[torch.Tensor], conv_states: Sequence[torch.Tensor]
+    ) -> ModelCommit:
+        """The same commit (records, gates, settings) into other state and conv-state tensors
+        of the same layout, e.g. the copies a functionalized graph passes (``conv_states`` as
+        this model's ``[slots, dim, Q + 2]`` views); tables their addresses anew."""
+        return ModelCommit(
+            states, self.corrs, self.kgs, list(self.a_log), list(self.dt_bias),
+            lower_bound=self.lower_bound, null_slot=self.null_slot,
+            records_by_slot=self.records_by_slot, conv_states=list(conv_states) or None,
+            conv_dim_first=True, op=self.op,
+        )  # fmt: skip
+
     @property
     def layers(self) -> int:
         return len(self.states)

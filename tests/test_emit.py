@@ -102,6 +102,8 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
             "unheld": unheld,
             "bad_input": bad_input,
             "loaded": sorted({m.split(".")[0] for m in sys.modules}),
+            "ops": [str(getattr(torch.ops.kdagen, n).default._schema).split("(")[0]
+                    for n in ("verify", "commit", "commit_layers")],
         }
         """,
     )
@@ -112,6 +114,7 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
     assert "is not in this package" in result["unheld"] and "verify-h12-q4-i32" in result["unheld"]
     assert result["bad_input"].startswith("kdagen.verify:"), result["bad_input"]
     assert not set(BLOCKED) & set(result["loaded"])
+    assert result["ops"] == ["kdagen::verify", "kdagen::commit", "kdagen::commit_layers"]
 
 
 def test_emit_refuses_a_stale_table(tmp_path: Path) -> None:

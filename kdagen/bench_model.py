@@ -72,13 +72,27 @@ def model_set(heads: int, window: int, layers: int, batch: int, seed: int,
 
 def commit_bytes(s: ModelSet, conv: bool) -> int:
     """Bytes the all-layer commit of ``s`` must move (every request live)."""
-    heads, window = s.layers[0].local_num_heads, s.layers[0].recoverssm_records.correction.shape[2]
+    heads = s.layers[0].local_num_heads
     accepted = int(s.step["num_accepted_tokens"].sum())
     batch = s.step["state_indices"].shape[0]
     per_layer = batch * heads * K * K * 2 * 2 + accepted * heads * (K * 4 + 2 * K * 2)
     if conv:
         per_layer += batch * HISTORY * 3 * heads * K * 2 * 2
-    return len(s.layers) * per_layer + batch * 12 * (window > 0)
+    return len(s.layers) * per_layer + batch * 12  # slots, accepted, query_start (int32)
+
+
+def model_commit(s: ModelSet, conv: bool) -> Any:
+    """``ModelCommit`` over ``s``'s layers (records per request row), with vLLM's conv
+    compaction when ``conv``."""
+    from kdagen.model_commit import ModelCommit
+
+    records = [layer.recoverssm_records for layer in s.layers]
+    return ModelCommit(
+        [layer.kv_cache[1] for layer in s.layers], [r.correction for r in records],
+        [r.key_gate for r in records], [layer.A_log for layer in s.layers],
+        [layer.dt_bias for layer in s.layers],
+        conv_states=[layer.kv_cache[0] for layer in s.layers] if conv else None,
+    )  # fmt: skip
 
 
 def verify_bytes(s: ModelSet) -> int:
@@ -164,7 +178,6 @@ def bench_model(heads: int, window: int, layers: int, batches: list[int], bandwi
 def _bench_batch(sets: list[ModelSet], window: int, batch: int, peer_commit: Any,
                  peer_verify: Any, step: bool, floor: float, floor_no_conv: float,
                  step_floor: float) -> ModelBenchRow:  # fmt: skip
-    from kdagen.model_commit import ModelCommit
     from kdagen.vllm import KDARecoverSSMCommitContext
 
     def commits(factory: Any) -> list:
@@ -174,15 +187,9 @@ def _bench_batch(sets: list[ModelSet], window: int, batch: int, peer_commit: Any
 
     ours = commits(KDARecoverSSMCommitContext)
     mine = time_graph(ours)
-    plain = []
-    for s in sets:
-        records = [layer.recoverssm_records for layer in s.layers]
-        model = ModelCommit([layer.kv_cache[1] for layer in s.layers],
-                            [r.correction for r in records], [r.key_gate for r in records],
-                            [x.A_log for x in s.layers], [x.dt_bias for x in s.layers])  # fmt: skip
-        plain.append(partial(model.commit, s.step["state_indices"],
-                             s.step["num_accepted_tokens"],
-                             query_start=s.step["query_start_loc"]))  # fmt: skip
+    plain = [partial(model_commit(s, conv=False).commit, s.step["state_indices"],
+                     s.step["num_accepted_tokens"], query_start=s.step["query_start_loc"])
+             for s in sets]  # fmt: skip
     no_conv = time_graph(plain).median_us
     theirs = commits(peer_commit) if peer_commit is not None else None
     step_us = vllm_step = None

@@ -150,10 +150,8 @@ def _model(inputs: dict[str, Any], case: ModelCase) -> Any:
 
 
 def _step_kwargs(step: dict[str, Any]) -> dict[str, Any]:
-    names = {"request_index": "request_index", "query_start": "query_start",
-             "block_table": "block_table", "num_computed": "num_computed",
-             "block_size": "block_size"}  # fmt: skip
-    return {names[k]: v for k, v in step.items() if k in names}
+    """``ModelCommit.commit``'s keyword arguments among a case's step inputs."""
+    return {k: v for k, v in step.items() if k not in ("slots", "accepted")}
 
 
 def run_model_case(variant: Variant, case: ModelCase, seed: int) -> CaseResult:

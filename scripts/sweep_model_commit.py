@@ -22,19 +22,6 @@ from kdagen.peers import vllm_commit
 from kdagen.space import Space
 
 
-def models(sets: list, conv: bool) -> list[ModelCommit]:
-    out = []
-    for s in sets:
-        records = [layer.recoverssm_records for layer in s.layers]
-        out.append(ModelCommit(
-            [layer.kv_cache[1] for layer in s.layers], [r.correction for r in records],
-            [r.key_gate for r in records], [layer.A_log for layer in s.layers],
-            [layer.dt_bias for layer in s.layers],
-            conv_states=[layer.kv_cache[0] for layer in s.layers] if conv else None,
-        ))  # fmt: skip
-    return out
-
-
 def time_variant(sets: list, built: list[ModelCommit], variant: object) -> bench.Timing:
     return bench.time_graph([
         partial(m.commit, s.step["state_indices"], s.step["num_accepted_tokens"],
@@ -63,7 +50,8 @@ def main() -> None:
                 for i in range(count)]  # fmt: skip
         floor = bench_model.commit_bytes(sets[0], True) / bw * 1e6
         floor_plain = bench_model.commit_bytes(sets[0], False) / bw * 1e6
-        with_conv, plain = models(sets, True), models(sets, False)
+        with_conv = [bench_model.model_commit(s, conv=True) for s in sets]
+        plain = [bench_model.model_commit(s, conv=False) for s in sets]
         timed = [(time_variant(sets, with_conv, v), v.name) for v in candidates]
         rows = sorted(timed, key=lambda row: row[0].median_us)
         best_plain = min((time_variant(sets, plain, v).median_us, v.name) for v in candidates)

@@ -125,8 +125,14 @@ def torch_commit(inputs: dict[str, object]) -> None:
     rows = kg[:batch].float()
     live = torch.arange(window, device=state.device)[None, :] < accepted[:, None]  # [B, Q]
     live = live[:, None, :, None]
-    x = torch.exp(a_log)[None, :, None, None] * (rows[..., K:] + dt_bias.view(1, heads, 1, K))
-    gate = torch.where(live, float(inputs["lower_bound"]) * torch.sigmoid(x), 0.0)  # type: ignore[arg-type]
+    rate = torch.exp(a_log)[None, :, None, None]
+    x = rows[..., K:] + dt_bias.view(1, heads, 1, K)
+    bound = inputs["lower_bound"]
+    if bound is None:  # Kimi-Linear's softplus gate
+        log_gate = -rate * torch.nn.functional.softplus(x, threshold=20.0)
+    else:
+        log_gate = float(bound) * torch.sigmoid(rate * x)  # type: ignore[arg-type]
+    gate = torch.where(live, log_gate, 0.0)
     log_decay = gate.cumsum(dim=2)
     last = log_decay[:, :, -1:, :]
     k = torch.where(live, rows[..., :K], 0.0)
@@ -140,9 +146,18 @@ def torch_commit(inputs: dict[str, object]) -> None:
 def commit_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, object]]:
     """The commit input sets of one measurement: enough to keep L2 cold."""
     heads, window = variant.heads, variant.window
+    from kdagen.testing import lower_bound_for
+
     case = CommitCase(f"bench-{batch}", batch, full_accept=True)
     return [
-        make_commit_inputs(case, heads, window, _slot_dtype(variant), seed + i)
+        make_commit_inputs(
+            case,
+            heads,
+            window,
+            _slot_dtype(variant),
+            seed + i,
+            lower_bound=lower_bound_for(variant.gate),
+        )  # fmt: skip
         for i in range(sets_for(commit_footprint(batch, heads, window)))
     ]
 
@@ -277,9 +292,9 @@ def verify_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, A
 def verify_launch(inputs: dict[str, Any], variant: Variant) -> Callable[[], None]:
     """kdagen's verify on one input set, as a no-argument launch."""
     from kdagen.runtime import verify
-    from kdagen.testing import verify_args
+    from kdagen.testing import lower_bound_for, verify_args
 
-    args = verify_args(inputs)
+    args = verify_args(inputs) | {"lower_bound": lower_bound_for(variant.gate)}
     return lambda: verify(**args, variant=variant)
 
 
@@ -343,14 +358,16 @@ def bench_verify(
     peers: bool = True,
     seed: int = 0,
 ) -> list[VerifyBenchRow]:
-    """Every verify variant (of one contract key) at every batch size, FlashInfer's verify on
+    """Every verify variant (of one contract key, or twins that differ only in the gate, each
+    launched with its gate's ``lower_bound``) at every batch size, FlashInfer's verify on
     the same input sets when it loads (with conv it gets the same qkv unconvolved: it does not
     fuse the conv, so its time leaves the separate conv kernel out). Rows in that order."""
     from kdagen.peers import flashinfer_verify
 
     first = variants[0]
-    if any(v.contract_key != first.contract_key for v in variants):
-        raise ValueError("bench_verify: the variants must share one contract key")
+    if any(v.replace(gate=first.gate).contract_key != first.contract_key for v in variants):
+        raise ValueError("bench_verify: the variants must share one contract key (or differ "
+                         "only in the gate)")  # fmt: skip
     peer = flashinfer_verify().fn if peers else None
     rows: list[VerifyBenchRow] = []
     for batch in batches:

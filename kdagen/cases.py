@@ -26,6 +26,9 @@ class CommitCase:
     null_slot: int = 0
     extra_rows: int = 3  # corr/kg rows beyond B (vLLM sizes them for the max batch)
     outside: bool = False  # two requests' slots outside the pool (padding: never touched)
+    # (std, mean) of the recorded raw gates instead of N(0, 1.5^2): with the softplus gate,
+    # per-channel log decays from ~0 to a few hundred a token, which forget the state.
+    gate_logits: tuple[float, float] | None = None
 
 
 CHECK_CASES = (
@@ -36,6 +39,12 @@ CHECK_CASES = (
     CommitCase("full-window", 70, full_accept=True),
     CommitCase("outside-pool", 12, outside=True),
 )
+# The softplus gate's extra cases: log decays far beyond the bounded gate's (-1000 and less
+# over a window), and every token forgetting everything before it.
+SOFTPLUS_CASES = (
+    CommitCase("forget", 40, gate_logits=(200.0, 100.0)),
+    CommitCase("forget-all", 16, gate_logits=(0.0, 1e4)),
+)
 
 
 def make_commit_inputs(
@@ -45,6 +54,7 @@ def make_commit_inputs(
     slot_dtype: torch.dtype = torch.int32,
     seed: int = 0,
     device: str | torch.device = "cuda",
+    lower_bound: float | None = -5.0,
 ) -> dict[str, object]:
     """Inputs for ``commit``: a padded-stride bf16 pool with more slots than requests, slots a
     random permutation (out of order), rows t >= accepted of corr/kg poisoned with NaN (the
@@ -77,7 +87,9 @@ def make_commit_inputs(
             accepted[rand(b) < case.zero_accept_fraction] = 0
     rows = b + case.extra_rows
     corr = randn(rows, heads, window, K)
-    kg = torch.cat([randn(rows, heads, window, K), randn(rows, heads, window, K, std=1.5)], -1)
+    std, mean = case.gate_logits or (1.5, 0.0)
+    gates = randn(rows, heads, window, K, std=std) + mean
+    kg = torch.cat([randn(rows, heads, window, K), gates], -1)
     kg = kg.bfloat16()
     # Rows t >= accepted (and the spare rows) were never written by verify: poison them.
     spare = torch.zeros(case.extra_rows, dtype=torch.int32, device=dev)
@@ -93,7 +105,7 @@ def make_commit_inputs(
         "dt_bias": randn(heads * K, std=0.5),
         "slots": slots,
         "accepted": accepted,
-        "lower_bound": -5.0,
+        "lower_bound": lower_bound,
         "null_slot": case.null_slot,
     }
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kdagen import reference
-from kdagen.cases import CHECK_CASES, CommitCase, make_commit_inputs, pool_of
+from kdagen.cases import CHECK_CASES, SOFTPLUS_CASES, CommitCase, make_commit_inputs, pool_of
+from kdagen.testing import lower_bound_for
 from kdagen.variant import Variant
 
 # bf16 output: half an ulp is 2^-9 relative; allow a few ulps for fp32 math and fast exp.
@@ -71,7 +72,8 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
     from kdagen.runtime import commit
 
     slot_dtype = torch.int32 if variant.slot_dtype == "int32" else torch.int64
-    inputs = make_commit_inputs(case, variant.heads, variant.window, slot_dtype, seed)
+    inputs = make_commit_inputs(case, variant.heads, variant.window, slot_dtype, seed,
+                                lower_bound=lower_bound_for(variant.gate))  # fmt: skip
     state = inputs["state"]
     assert isinstance(state, torch.Tensor)
     before = pool_of(state).clone()
@@ -116,7 +118,8 @@ def check_commit(variant: Variant, seed: int = 0) -> list[CaseResult]:
     each on fresh random inputs (the seed moves per case)."""
     from kdagen.check_model_commit import check_model_commit
 
-    single = [run_commit_case(variant, case, seed + i) for i, case in enumerate(CHECK_CASES)]
+    cases = CHECK_CASES + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
+    single = [run_commit_case(variant, case, seed + i) for i, case in enumerate(cases)]
     return single + check_model_commit(variant, seed)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from kdagen import reference
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
-from kdagen.testing import bits, poison_
+from kdagen.testing import bits, lower_bound_for, poison_
 from kdagen.variant import Variant
 
 K = 128
@@ -139,12 +139,12 @@ def _reference_plan(case: ModelCase, layers: dict, step: dict, window: int) -> A
     )  # fmt: skip
 
 
-def _model(inputs: dict[str, Any], case: ModelCase) -> Any:
+def _model(inputs: dict[str, Any], case: ModelCase, lower_bound: float | None) -> Any:
     from kdagen.model_commit import ModelCommit
 
     return ModelCommit(
         inputs["states"], inputs["corrs"], inputs["kgs"], inputs["a_logs"], inputs["dt_biases"],
-        records_by_slot=case.vllm, conv_states=inputs["convs"] or None,
+        lower_bound=lower_bound, records_by_slot=case.vllm, conv_states=inputs["convs"] or None,
         conv_dim_first=case.dim_first,
     )  # fmt: skip
 
@@ -164,14 +164,15 @@ def run_model_case(variant: Variant, case: ModelCase, seed: int) -> CaseResult:
     expected = [s.double() for s in inputs["states"]]
     expected_conv = [c.clone() for c in inputs["convs"]]
     views = [c if case.dim_first else c.transpose(1, 2) for c in expected_conv]
+    lower_bound = lower_bound_for(variant.gate)
     reference.commit_layers(
         expected, inputs["corrs"], inputs["kgs"], torch.stack(inputs["a_logs"]),
-        torch.stack(inputs["dt_biases"]), inputs["plan"], lower_bound=-5.0,
+        torch.stack(inputs["dt_biases"]), inputs["plan"], lower_bound=lower_bound,
         conv_states=views or None,
     )  # fmt: skip
     result = CaseResult(variant.name, f"model-{case.name}", 0.0, 0.0, 0.0, True, True)
     try:
-        model = _model(inputs, case)
+        model = _model(inputs, case, lower_bound)
         kwargs = _step_kwargs(inputs["step"])
         runs = []
         for mode in ("eager", "repeat", "graph"):

@@ -47,6 +47,9 @@ class VerifyCase:
     ragged: bool = True  # some windows empty or shorter than Q
     nulls: bool = True  # about a fifth of the requests on the null slot
     null_slot: int = 0
+    # (std, mean) of raw_g instead of N(0, 1): with the softplus gate, per-channel log decays
+    # from ~0 to a few hundred a token, which forget the state inside the window.
+    gate_logits: tuple[float, float] | None = None
 
 
 VERIFY_CASES = (
@@ -55,7 +58,17 @@ VERIFY_CASES = (
     VerifyCase("pad-slot-1", 9, null_slot=-1),
     VerifyCase("many-per-cta", 0),  # B*H = 3600 units: every CTA runs its ticket loop
 )
+# The softplus gate's extra cases: window log decays of -1000 and less (the bounded gate's
+# reach -40), and every token forgetting everything before it.
+SOFTPLUS_CASES = (
+    VerifyCase("forget", 48, gate_logits=(200.0, 100.0)),
+    VerifyCase("forget-all", 16, gate_logits=(0.0, 1e4)),
+)
 MANY_UNITS = 3600
+
+
+def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
+    return VERIFY_CASES + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
 
 
 @dataclass
@@ -106,8 +119,15 @@ class VerifyCaseResult:
 def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]:
     """Fresh random inputs on the GPU for ``variant``'s contract, outputs poisoned."""
     batch = case.batch or max(1, MANY_UNITS // variant.heads)
-    return verify_inputs_for(variant, batch, null_slot=case.null_slot, seed=seed, device="cuda",
-                             ragged=case.ragged, nulls=case.nulls)  # fmt: skip
+    inputs = verify_inputs_for(variant, batch, null_slot=case.null_slot, seed=seed,
+                               device="cuda", ragged=case.ragged, nulls=case.nulls)  # fmt: skip
+    if case.gate_logits is not None:
+        std, mean = case.gate_logits
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        raw_g = inputs["raw_g"]
+        drawn = torch.randn(raw_g.shape, generator=gen, device="cuda") * std + mean
+        raw_g.copy_(drawn.to(raw_g.dtype))
+    return inputs
 
 
 def run_kernel(inputs: dict[str, Any], variant: Variant, counter: torch.Tensor) -> None:
@@ -197,4 +217,4 @@ def run_verify_case(variant: Variant, case: VerifyCase, seed: int) -> VerifyCase
 
 def check_verify(variant: Variant, seed: int = 0) -> list[VerifyCaseResult]:
     """All verify check cases, each on fresh random inputs (the seed moves per case)."""
-    return [run_verify_case(variant, case, seed + i) for i, case in enumerate(VERIFY_CASES)]
+    return [run_verify_case(variant, case, seed + i) for i, case in enumerate(cases_for(variant))]

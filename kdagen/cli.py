@@ -226,6 +226,11 @@ def bench(
     conv: bool = typer.Option(False, "--conv/--no-conv", help="verify with the fused conv"),
     conv_layout: str = typer.Option("token_major", help="with --conv: token_major or dim_first"),
     conv_weights: str = typer.Option("bf16", help="with --conv: tap dtype, bf16 or fp32"),
+    gate: str = typer.Option(
+        "kda",
+        help="kda (Kimi-K3's bounded gate), softplus (Kimi-Linear's), or both: each softplus "
+        "variant and its bounded twin (the same tuning), timed side by side on the same inputs",
+    ),
     match: str = typer.Option(None, help="only variants whose name contains this"),
     peers: bool = typer.Option(
         True, "--peers/--no-peers", help="time the peers too (verify: flashinfer; commit: torch)"
@@ -256,7 +261,10 @@ def bench(
         _bench_model(kernel, heads, window, layers, batches, peers, step, seed, out)
         return
     chosen_kernel = _bench_kernel(kernel, space)
-    wanted = {"kernel": chosen_kernel, "heads": heads, "window": window, "slot_dtype": "int32"}
+    if gate not in ("kda", "softplus", "both"):
+        raise typer.BadParameter(f"--gate {gate!r}: expected kda, softplus or both")
+    wanted = {"kernel": chosen_kernel, "heads": heads, "window": window, "slot_dtype": "int32",
+              "gate": "softplus" if gate == "both" else gate}  # fmt: skip
     if chosen_kernel == "verify":
         wanted |= {"conv": conv}
         if conv:
@@ -271,6 +279,8 @@ def bench(
         detail = ", ".join(f"{k}={value}" for k, value in wanted.items())
         raise typer.BadParameter(f"no variants with {detail} in the space")
     arch, chosen = _runnable(candidates)
+    if gate == "both":
+        chosen = [twin for v in chosen for twin in (v.replace(gate="kda"), v)]
     sizes = [int(b) for b in batches.split(",")]
     bw = kbench.copy_bandwidth()
     typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {len(chosen)} variants on {arch}")

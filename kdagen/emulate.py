@@ -191,18 +191,32 @@ def _roll_conv_state(
         conv_state[req.slot[b_idx], r_idx] = rolled[b_idx, r_idx]
 
 
+def softplus_gate_floor(window: int) -> float:
+    """The kernels' floor under each token's log decay with the softplus gate: exp(G_t - G_MID)
+    and its inverse (MID = (Q - 1) // 2) then stay within exp(+-64) for any input, and a weight
+    below exp(-floor) <= 1.2e-7 is all that is dropped."""
+    return 64.0 / ((window - 1) // 2 + 1)
+
+
 def _log_decay(
-    g_raw: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float
+    g_raw: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float | None
 ) -> tuple[Tensor, Tensor]:
     """``logs[..., t, :] = G_t`` (fp32, cumulated one token at a time like the kernel) and the
-    matching ``exp(G_t)``. ``g_raw`` is ``[B, H, Q, K]`` bf16.
+    matching ``exp(G_t)``. ``g_raw`` is ``[B, H, Q, K]`` bf16; ``lower_bound`` None: the
+    softplus gate, each token's log decay held at ``-softplus_gate_floor(Q)``.
 
     Not ``torch.cumsum``: on CPU it accumulates fp32 in double.
     """
     heads = a_log.shape[0]
     rate = torch.exp(a_log.float())[:, None, None]  # [H, 1, 1]
     bias = dt_bias.float().view(heads, 1, K)
-    gates = _f32(lower_bound, g_raw) * _sigmoid(rate * (g_raw.float() + bias))
+    if lower_bound is None:
+        x = g_raw.float() + bias
+        soft = torch.nn.functional.softplus(x, beta=1.0, threshold=20.0)
+        floor = _f32(-softplus_gate_floor(g_raw.shape[-2]), g_raw)
+        gates = torch.maximum(-rate * soft, floor)
+    else:
+        gates = _f32(lower_bound, g_raw) * _sigmoid(rate * (g_raw.float() + bias))
     cum = torch.zeros_like(gates[..., 0, :])
     logs = []
     for t in range(gates.shape[-2]):
@@ -295,7 +309,7 @@ def verify_like_sm100(
     corr: Tensor,
     kg: Tensor,
     *,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
     conv_state: Tensor | None = None,
     conv_w: Tensor | None = None,
@@ -334,9 +348,13 @@ def verify_like_sm100(
     beta = _sigmoid(raw_beta[req.rows].float()).transpose(1, 2)  # [B, H, Q]
     beta = torch.where(req.tokens[:, None, :], beta, 0.0)
     p, r = decay * k_n, decay * q_n
-    w = torch.exp(-logs) * k_n
     proj = _project(state[req.slot], torch.cat([p, r], dim=-2))
-    c, d = _couplings(w, p, r)
+    if lower_bound is None:  # the coupling's factors relative to token MID
+        mid = logs[..., (window - 1) // 2, None, :]
+        near = torch.exp(logs - mid)
+        c, d = _couplings(torch.exp(mid - logs) * k_n, near * k_n, near * q_n)
+    else:
+        c, d = _couplings(torch.exp(-logs) * k_n, p, r)
     u, o = _solve(v.float(), beta, proj, c, d)
     record = torch.cat([k, g_raw], dim=-1).transpose(1, 2)  # [B, Q, H, 2K], bf16
     _store(req, u, o, record, out, corr, kg)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdagen.runtime import _resolve_variant, launch_commit
+from kdagen.runtime import _resolve_variant, gate_of, kernel_lower_bound, launch_commit
 from kdagen.validate import KdaInputError, check_scalar, check_state, check_tensor
 from kdagen.variant import Variant
 
@@ -119,8 +119,8 @@ class ModelCommit:
     allowed), ``corrs`` [rows, H, Q, 128] fp32 and ``kgs`` [rows, H, Q, 256] bf16 (request b's
     records in row b, or with ``records_by_slot`` in row ``slots[b]`` as in vLLM's caches),
     ``a_logs`` [H] fp32, ``dt_biases`` [H*128] fp32 (stacked into copies here). Layers share
-    shapes, strides and dtypes. ``lower_bound`` (Kimi-K3: -5.0) and ``null_slot`` (vLLM: 0)
-    apply to every layer. ``conv_states`` (optional, vLLM's compaction after the step; its
+    shapes, strides and dtypes. ``lower_bound`` (Kimi-K3: -5.0; None: Kimi-Linear's softplus
+    gate) and ``null_slot`` (vLLM: 0) apply to every layer. ``conv_states`` (optional, vLLM's compaction after the step; its
     channels are every head's q, k and v):
     [slots, Q+2, 3*H*128] bf16 per layer, or [slots, 3*H*128, Q+2] with ``conv_dim_first``.
     """
@@ -133,7 +133,7 @@ class ModelCommit:
         a_logs: Sequence[torch.Tensor],
         dt_biases: Sequence[torch.Tensor],
         *,
-        lower_bound: float = -5.0,
+        lower_bound: float | None = -5.0,
         null_slot: int = 0,
         records_by_slot: bool = False,
         conv_states: Sequence[torch.Tensor] | None = None,
@@ -150,9 +150,10 @@ class ModelCommit:
         self.heads, self.device = first.shape[1], first.device
         corrs, kgs = _list(op, "corrs", corrs, layers), _list(op, "kgs", kgs, layers)
         self.window, self.records = _check_records(op, corrs, kgs, self.heads, self.device)
-        check_scalar(op, "lower_bound", lower_bound, float, negative=True)
+        self.gate = gate_of(op, lower_bound)
         check_scalar(op, "null_slot", null_slot, int)
-        self.lower_bound, self.null_slot = float(lower_bound), int(null_slot)
+        self.lower_bound = None if lower_bound is None else float(lower_bound)
+        self.null_slot = int(null_slot)
         self.records_by_slot = bool(records_by_slot)
         self.a_log = _stack(op, "a_logs", _list(op, "a_logs", a_logs, layers), (self.heads,),
                             self.device)  # fmt: skip
@@ -232,7 +233,8 @@ class ModelCommit:
             return
         chosen = _resolve_variant(variant, "commit", self.heads, self.window,
                                   "int32" if slots.dtype == torch.int32 else "int64",
-                                  self.layers * values["batch"], self.device)  # fmt: skip
+                                  self.layers * values["batch"], self.device,
+                                  gate=self.gate)  # fmt: skip
         launch_commit(chosen, **values)
 
     def validate_step(
@@ -277,7 +279,8 @@ class ModelCommit:
             rows=self.records.rows, corr_row_stride=self.records.corr_row_stride,
             kg_row_stride=self.records.kg_row_stride, records_by_slot=int(self.records_by_slot),
             indirect=int(request_index is not None), windowed=int(query_start is not None),
-            **align, **self._conv_args(), lower_bound=self.lower_bound, null_slot=self.null_slot,
+            **align, **self._conv_args(), lower_bound=kernel_lower_bound(self.lower_bound),
+            null_slot=self.null_slot,
         )  # fmt: skip
 
     def _check_align(

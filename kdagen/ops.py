@@ -60,14 +60,14 @@ def _verify(
     conv_state: Tensor | None,
     conv_w: Tensor | None,
     accepted: Tensor | None,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
     conv_dim_first: bool,
 ) -> None:
     from kdagen.runtime import verify
 
     verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg,
-           lower_bound=float(lower_bound), null_slot=int(null_slot), conv_state=conv_state,
+           lower_bound=lower_bound, null_slot=int(null_slot), conv_state=conv_state,
            conv_w=conv_w, accepted=accepted, conv_dim_first=bool(conv_dim_first))  # fmt: skip
 
 
@@ -79,12 +79,12 @@ def _commit(
     dt_bias: Tensor,
     slots: Tensor,
     accepted: Tensor,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
 ) -> None:
     from kdagen.runtime import commit
 
-    commit(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound=float(lower_bound),
+    commit(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound=lower_bound,
            null_slot=int(null_slot))  # fmt: skip
 
 

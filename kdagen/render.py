@@ -37,7 +37,11 @@ def environment() -> jinja2.Environment:
 
 def _context(variant: Variant) -> dict[str, object]:
     """Values the templates read besides the variant itself, derived once here."""
-    context: dict[str, object] = {"variant": variant, "template_path": variant.spec.template}
+    context: dict[str, object] = {
+        "variant": variant,
+        "template_path": variant.spec.template,
+        "softplus": variant.gate == "softplus",
+    }
     if variant.kernel == "verify":
         context["conv"] = variant.conv
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"

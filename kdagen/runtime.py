@@ -27,6 +27,21 @@ from kdagen.variant import Variant
 MAX_LOG_DECAY = 72.0
 
 
+def gate_of(op: str, lower_bound: float | None, window: int | None = None) -> str:
+    """The gate contract field ``lower_bound`` selects: a negative float is Kimi-K3's bounded
+    gate (``kda``), within ``MAX_LOG_DECAY`` over a window of ``window`` tokens when given;
+    None is Kimi-Linear's unbounded softplus gate, which the kernels take as it is."""
+    if lower_bound is None:
+        return "softplus"
+    check_scalar(op, "lower_bound", lower_bound, float, negative=True)
+    if window is not None and lower_bound * window < -MAX_LOG_DECAY:
+        raise KdaInputError(
+            f"{op}: `lower_bound` x Q must be >= -{MAX_LOG_DECAY:g} (the window's log decay "
+            f"and its exp must stay inside fp32's normal range), got {lower_bound:g} x {window}"
+        )
+    return "kda"
+
+
 def device_arch(device: torch.device | None = None) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) == (9, 0):
@@ -76,14 +91,16 @@ def launcher(variant: Variant, arch: str) -> Any:
     return compiled
 
 
-def default_commit_variant(heads: int, window: int, slot_dtype: str, batch: int) -> Variant:
+def default_commit_variant(
+    heads: int, window: int, slot_dtype: str, batch: int, gate: str = "kda"
+) -> Variant:
     """Built-in heuristic until a dispatch table is present (the H200 sweep in
     docs/perf-notes.md): split each (request, head) over more CTAs while the items alone
     cannot keep every SM's copy engine busy."""
     items = batch * heads
     threads, row_split = (128, 4) if items < 128 else (128, 2) if items < 384 else (256, 1)
     return Variant(
-        kernel="commit", heads=heads, window=window, slot_dtype=slot_dtype,
+        kernel="commit", heads=heads, window=window, slot_dtype=slot_dtype, gate=gate,
         path="bulk", threads=threads, vec=4, row_split=row_split,
     )  # fmt: skip
 
@@ -111,7 +128,7 @@ def validate_commit(
     slots: torch.Tensor,
     accepted: torch.Tensor,
     *,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
     variant: Variant | str | None = None,
     require_cuda: bool = True,
@@ -138,10 +155,11 @@ def validate_commit(
                  dtypes=[torch.bfloat16], device=device, align=16)  # fmt: skip
     check_tensor(op, "a_log", a_log, dims=[heads], dtypes=[torch.float32], device=device)
     check_tensor(op, "dt_bias", dt_bias, dims=[heads * 128], dtypes=[torch.float32], device=device)
-    check_scalar(op, "lower_bound", lower_bound, float, negative=True)
+    gate = gate_of(op, lower_bound)
     check_scalar(op, "null_slot", null_slot, int)
     slot_dtype = _dtype_name(slots.dtype)
-    chosen = _resolve_variant(variant, "commit", heads, window, slot_dtype, batch, device)
+    chosen = _resolve_variant(variant, "commit", heads, window, slot_dtype, batch, device,
+                              gate=gate)  # fmt: skip
     return CommitLaunch(chosen, batch, state.shape[0], state.stride(0))
 
 
@@ -154,7 +172,7 @@ def commit(
     slots: torch.Tensor,
     accepted: torch.Tensor,
     *,
-    lower_bound: float = -5.0,
+    lower_bound: float | None = -5.0,
     null_slot: int = 0,
     variant: Variant | str | None = None,
 ) -> None:
@@ -163,7 +181,8 @@ def commit(
     state [slots, H, 128, 128] bf16 (slot stride may be padded), corr [rows, H, Q, 128] fp32,
     kg [rows, H, Q, 256] bf16 (request b reads row b), a_log [H] fp32, dt_bias [H*128] fp32,
     slots [B] int32/int64 (``<= null_slot`` or outside the pool: padding), accepted [B] int32
-    (clamped to 0..Q). One layer; ``kdagen.ModelCommit`` folds every layer of a model in one
+    (clamped to 0..Q); ``lower_bound``: Kimi-K3's gate bound, or None for Kimi-Linear's
+    softplus gate. One layer; ``kdagen.ModelCommit`` folds every layer of a model in one
     launch. Launches on the current stream; no allocation, no synchronisation.
     """
     launch = validate_commit(
@@ -177,8 +196,14 @@ def commit(
         slots=slots, accepted=accepted, layers=1, batch=launch.batch, owners=launch.batch,
         slot_count=launch.slot_count, slot_stride=launch.slot_stride, rows=corr.shape[0],
         corr_row_stride=corr.stride(0), kg_row_stride=kg.stride(0),
-        lower_bound=float(lower_bound), null_slot=int(null_slot),
+        lower_bound=kernel_lower_bound(lower_bound), null_slot=int(null_slot),
     )  # fmt: skip
+
+
+def kernel_lower_bound(lower_bound: float | None) -> float:
+    """The kernels' ``lower_bound`` argument: the bound, or 0 for the softplus gate (whose
+    kernels do not read it)."""
+    return 0.0 if lower_bound is None else float(lower_bound)
 
 
 # What the commit kernel's plan arguments are when a caller has none of vLLM's extras: no
@@ -219,12 +244,13 @@ def _dispatched(
     batch: int,
     device: torch.device | None,
     arch: str | None,
-    **conv: Any,
+    **fields: Any,
 ) -> Variant:
-    """The GPU's dispatch table choice (generated/<gpu>/), else the built-in heuristic."""
+    """The GPU's dispatch table choice (generated/<gpu>/), else the built-in heuristic;
+    ``fields``: the other contract fields (gate, conv settings)."""
     from kdagen import dispatch
 
-    contract = {"heads": heads, "window": window, "slot_dtype": slot_dtype, **conv}
+    contract = {"heads": heads, "window": window, "slot_dtype": slot_dtype, **fields}
     return dispatch.choose(
         kernel, contract, batch, lambda: heuristic_variant(kernel, contract, batch, arch),
         device=device,
@@ -243,10 +269,12 @@ def heuristic_variant(
     the untuned default a tuned winner is measured against. ``arch``, ``sms``: of the GPU
     it is for (default: the current one)."""
     heads, window, slot_dtype = contract["heads"], contract["window"], contract["slot_dtype"]
+    gate = contract.get("gate", "kda")
     if kernel == "commit":
-        return default_commit_variant(heads, window, slot_dtype, batch)
+        return default_commit_variant(heads, window, slot_dtype, batch, gate)
     conv = {k: contract[k] for k in ("conv", "conv_layout", "conv_weight_dtype") if k in contract}
-    return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, sms=sms, **conv)
+    return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, sms=sms,
+                                  gate=gate, **conv)  # fmt: skip
 
 
 def _resolve_variant(
@@ -258,14 +286,15 @@ def _resolve_variant(
     batch: int,
     device: torch.device,
     arch: str | None = None,
-    **conv: Any,
+    **fields: Any,
 ) -> Variant:
-    """An explicit variant, checked against the inputs; else the dispatch table's choice."""
+    """An explicit variant, checked against the inputs; else the dispatch table's choice.
+    ``fields``: the other contract fields the inputs fix (gate, conv settings)."""
     if variant is None:
-        return _dispatched(kernel, heads, window, slot_dtype, batch, device, arch, **conv)
+        return _dispatched(kernel, heads, window, slot_dtype, batch, device, arch, **fields)
     chosen = Variant.parse(variant) if isinstance(variant, str) else variant
     expected = {"kernel": kernel, "heads": heads, "window": window, "slot_dtype": slot_dtype}
-    expected |= conv
+    expected |= fields
     wrong = {k: (getattr(chosen, k), v) for k, v in expected.items() if getattr(chosen, k) != v}
     if wrong:
         detail = ", ".join(
@@ -294,6 +323,7 @@ def default_verify_variant(
     conv_weight_dtype: str = "bf16",
     arch: str | None = None,
     sms: int | None = None,
+    gate: str = "kda",
 ) -> Variant:
     """Built-in heuristic until a dispatch table is present: the arch's path, every SM's
     resident CTAs, and (without conv) two CTAs per item while items alone leave SMs idle.
@@ -302,6 +332,7 @@ def default_verify_variant(
     contract = {
         "kernel": "verify", "heads": heads, "window": window, "slot_dtype": slot_dtype,
         "conv": conv, "conv_layout": conv_layout, "conv_weight_dtype": conv_weight_dtype,
+        "gate": gate,
     }  # fmt: skip
     if arch == "sm_100a":
         return Variant(**contract, path="sm100_tcgen05", ctas=740)
@@ -399,7 +430,7 @@ def validate_verify(
     corr: torch.Tensor,
     kg: torch.Tensor,
     *,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
     conv_state: torch.Tensor | None = None,
     conv_w: torch.Tensor | None = None,
@@ -445,12 +476,7 @@ def validate_verify(
     check_tensor(op, "a_log", a_log, dims=[heads], dtypes=[torch.float32], device=device)
     check_tensor(op, "dt_bias", dt_bias, dims=[heads * 128], dtypes=[torch.float32],
                  device=device)  # fmt: skip
-    check_scalar(op, "lower_bound", lower_bound, float, negative=True)
-    if lower_bound * window < -MAX_LOG_DECAY:
-        raise KdaInputError(
-            f"{op}: `lower_bound` x Q must be >= -{MAX_LOG_DECAY:g} (the window's log decay "
-            f"and its exp must stay inside fp32's normal range), got {lower_bound:g} x {window}"
-        )
+    gate = gate_of(op, lower_bound, window)
     check_scalar(op, "null_slot", null_slot, int)
     conv = _check_conv(
         op, conv_state, conv_w, accepted, conv_dim_first, heads=heads, window=window,
@@ -460,7 +486,7 @@ def validate_verify(
     if variant is None and arch is None:
         arch = device_arch(device)
     chosen = _resolve_variant(variant, "verify", heads, window, slot_dtype, batch, device, arch,
-                              **conv)  # fmt: skip
+                              gate=gate, **conv)  # fmt: skip
     return VerifyLaunch(chosen, (q, k, v), act_stride, records_by_slot, batch, corr.shape[0],
                         state.shape[0], state.stride(0))  # fmt: skip
 
@@ -497,7 +523,7 @@ def verify(
     corr: torch.Tensor,
     kg: torch.Tensor,
     *,
-    lower_bound: float = -5.0,
+    lower_bound: float | None = -5.0,
     null_slot: int = 0,
     conv_state: torch.Tensor | None = None,
     conv_w: torch.Tensor | None = None,
@@ -515,7 +541,8 @@ def verify(
     corr [rows>=B, H, Q, 128] fp32, kg [rows, H, Q, 256] bf16. With conv: conv_state
     [slots, Q+2, 3*H*128] (or [slots, 3*H*128, Q+2] with ``conv_dim_first``) bf16, rolled in
     place; conv_w [3*H*128, 4] bf16 or fp32; accepted [B] int32. Window lengths must be
-    <= Q and live slots unique (not checked: that would synchronise).
+    <= Q and live slots unique (not checked: that would synchronise). ``lower_bound``:
+    Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate.
     Launches on the current stream; no allocation, no synchronisation.
     """
     width = qkv.shape[-1] // 3 if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else 0
@@ -548,7 +575,7 @@ def launch_verify(
     conv_w: torch.Tensor | None,
     accepted: torch.Tensor | None,
     counter: torch.Tensor | None,
-    lower_bound: float,
+    lower_bound: float | None,
     null_slot: int,
 ) -> None:
     """Launch a validated verify (``validate_verify``'s result) on the current stream."""
@@ -572,7 +599,7 @@ def launch_verify(
         "act_stride": launch.act_stride, "batch": launch.batch, "rows": launch.rows,
         "records_by_slot": int(launch.records_by_slot),
         "slot_count": launch.slot_count, "slot_stride": launch.slot_stride,
-        "lower_bound": float(lower_bound), "null_slot": int(null_slot),
+        "lower_bound": kernel_lower_bound(lower_bound), "null_slot": int(null_slot),
         "stream": torch.cuda.current_stream(device),
     }  # fmt: skip
     with torch.cuda.device(device):

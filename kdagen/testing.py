@@ -153,7 +153,7 @@ def make_verify_inputs(
     state_dtype: torch.dtype = torch.bfloat16,
     out_dtype: torch.dtype = torch.bfloat16,
     corr_dtype: torch.dtype = torch.float32,
-    lower_bound: float = -5.0,
+    lower_bound: float | None = -5.0,
 ) -> dict[str, Any]:
     """Random, realistic inputs for one verify launch (then commit), outputs poisoned.
 
@@ -224,9 +224,16 @@ def make_verify_inputs(
     return inputs
 
 
+def lower_bound_for(gate: str) -> float | None:
+    """The test inputs' ``lower_bound`` for a gate: Kimi-K3's -5 (``kda``), or None
+    (Kimi-Linear's ``softplus``)."""
+    return None if gate == "softplus" else -5.0
+
+
 def verify_inputs_for(variant: Variant, batch: int, **options: Any) -> dict[str, Any]:
-    """``make_verify_inputs`` for a verify variant's contract (H, Q, conv layout and tap
+    """``make_verify_inputs`` for a verify variant's contract (H, Q, gate, conv layout and tap
     dtype, slot dtype); ``options`` go through (seed, device, ragged, nulls, ...)."""
+    options.setdefault("lower_bound", lower_bound_for(variant.gate))
     return make_verify_inputs(
         batch, variant.heads, variant.window, conv=variant.conv,
         conv_dim_first=variant.conv_layout == "dim_first",

@@ -34,7 +34,9 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "conv_weight_dtype": ("bf16", "fp32"),
     "slot_dtype": ("int32", "int64"),
     "state_dtype": ("bf16",),
-    "gate": ("kda",),
+    # kda: Kimi-K3's bounded gate, lower_bound * sigmoid(...); softplus: Kimi-Linear's
+    # unbounded -exp(a_log) * softplus(...) (the run-time's lower_bound=None).
+    "gate": ("kda", "softplus"),
     "threads": (32, 64, 128, 256, 512),
     "vec": (4, 8),  # a state row then spans 32 or 16 threads (within a warp)
     "row_split": (1, 2, 4, 8),
@@ -155,6 +157,8 @@ class Variant:
     def contract_key(self) -> str:
         """The dispatch key: the name's contract part."""
         parts = [self.kernel, f"h{self.heads}", f"q{self.window}"]
+        if self.gate != "kda":
+            parts.append(self.gate)
         if self.conv:
             parts += ["conv", _SHORT[self.conv_layout], self.conv_weight_dtype]
         parts.append(_SHORT[self.slot_dtype])
@@ -233,7 +237,7 @@ def parse_contract_key(key: str) -> dict[str, Any]:
             raise ValueError(f"unexpected {'-'.join(tokens)!r} after the slot dtype")
     except IndexError:
         raise VariantError(
-            f"contract key {key!r} ends early: expected kernel-hH-qQ[-conv-LAYOUT-TAPS]-SLOTS, "
+            f"contract key {key!r} ends early: expected kernel-hH-qQ[-softplus][-conv-LAYOUT-TAPS]-SLOTS, "
             "e.g. 'verify-h12-q8-i32' or 'verify-h12-q8-conv-tm-bf16-i32'"
         ) from None
     except (KeyError, ValueError) as err:
@@ -249,6 +253,8 @@ def _pop_contract(tokens: list[str]) -> dict[str, Any]:
     values: dict[str, Any] = {"kernel": tokens.pop(0)}
     values["heads"] = int(_strip(tokens.pop(0), "h"))
     values["window"] = int(_strip(tokens.pop(0), "q"))
+    if tokens and tokens[0] == "softplus":
+        values["gate"] = tokens.pop(0)
     if tokens and tokens[0] == "conv":
         tokens.pop(0)
         values["conv"] = True

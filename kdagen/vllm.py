@@ -86,9 +86,6 @@ def verify_records(
     """``kda_recoverssm_verify`` with the records in row ``state_indices[b]``
     (``records_by_slot``, vLLM's caches per state block) or in row b (vLLM 0.33's
     ``KDARecoverSSMRecords``, rows per request of the step)."""
-    if lower_bound is None:
-        raise KdaInputError(f"{OP}: `lower_bound` must be a negative float (Kimi-K3's bounded "
-                            "gate); the unbounded softplus gate is not implemented")  # fmt: skip
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if (
@@ -106,13 +103,13 @@ def verify_records(
     launch = validate_verify(
         _tokens_view("q", q), _tokens_view("k", k), _tokens_view("v", v), flat_g, flat_beta,
         A_log, dt_bias, checkpoint_state, query_start_loc, state_indices, flat_out,
-        correction, key_gate, lower_bound=float(lower_bound), null_slot=NULL_BLOCK_ID,
+        correction, key_gate, lower_bound=lower_bound, null_slot=NULL_BLOCK_ID,
         records_by_slot=records_by_slot, op=OP,
     )  # fmt: skip
     launch_verify(
         launch, flat_g, flat_beta, A_log, dt_bias, checkpoint_state, query_start_loc,
         state_indices, flat_out, correction, key_gate, None, None, None, None,
-        float(lower_bound), NULL_BLOCK_ID,
+        lower_bound, NULL_BLOCK_ID,
     )  # fmt: skip
     return out
 
@@ -159,10 +156,7 @@ class KDARecoverSSMCommitContext:
         if len(bounds) != 1:
             raise KdaInputError(f"{op}: every layer needs the same `gate_lower_bound`, got "
                                 f"{sorted(map(str, bounds))}")  # fmt: skip
-        lower_bound = bounds.pop()
-        if lower_bound is None:
-            raise KdaInputError(f"{op}: `gate_lower_bound` None (the softplus gate) is not "
-                                "implemented yet; Kimi-K3's bounded gate needs a negative float")  # fmt: skip
+        lower_bound = bounds.pop()  # None: Kimi-Linear's softplus gate
         check_scalar(op, "spec_query_len", spec_query_len, int)
         check_scalar(op, "max_num_reqs", max_num_reqs, int)
         if conv_state_dim_first is None:
@@ -175,7 +169,7 @@ class KDARecoverSSMCommitContext:
             corrs, kgs = [c[2] for c in caches], [c[3] for c in caches]
         pools = ModelCommit(
             [c[1] for c in caches], corrs, kgs, [layer.A_log for layer in layers],
-            [layer.dt_bias for layer in layers], lower_bound=float(lower_bound),
+            [layer.dt_bias for layer in layers], lower_bound=lower_bound,
             null_slot=NULL_BLOCK_ID, records_by_slot=not by_request,
             conv_states=[c[0] for c in caches], conv_dim_first=conv_state_dim_first, op=op,
         )  # fmt: skip

@@ -49,15 +49,28 @@ CASES = [
     # No decay (gates ~ 0): the state term keeps its full weight, the hardest case for corr.
     _case(8, 3, raw_g=-30.0),
     _case(5, 2, conv=True, conv_w_dtype=torch.float32, raw_g=-30.0),
+    # Kimi-Linear's unbounded softplus gate: realistic gates, gates whose window log decays
+    # reach -1000 and beyond, and every token forgetting everything before it.
+    _case(8, 3, lower_bound=None),
+    _case(5, 2, lower_bound=None, conv=True),
+    _case(8, 3, lower_bound=None, gate_logits=(200.0, 100.0)),
+    _case(7, 2, lower_bound=None, gate_logits=(200.0, 100.0), conv=True, conv_dim_first=True),
+    _case(8, 2, lower_bound=None, gate_logits=(0.0, 1e4), conv=True),
+    _case(1, 2, lower_bound=None, gate_logits=(200.0, 100.0)),
 ]
 
 
 def _inputs(params: dict[str, Any]) -> dict[str, Any]:
     params = dict(params)
     fill = params.pop("raw_g", None)
+    logits = params.pop("gate_logits", None)
     inputs = make_verify_inputs(B=params.pop("B", 7), **params)
     if fill is not None:
         inputs["raw_g"].fill_(fill)
+    if logits is not None:  # (std, mean) instead of N(0, 1)
+        gen = torch.Generator().manual_seed(1)
+        drawn = torch.randn(inputs["raw_g"].shape, generator=gen) * logits[0] + logits[1]
+        inputs["raw_g"].copy_(drawn)
     return inputs
 
 
@@ -173,6 +186,26 @@ def test_fp32_finite_at_full_decay() -> None:
     for name in ("out", "corr"):
         assert emu[name][masks[name]].isfinite().all(), name
     _assert_within_bounds(_errors(emu, ref, masks))
+
+
+def test_softplus_window_decays_past_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the softplus gate the window's log decay goes far past what exp(-G) can hold in
+    fp32; the floor under each token's log decay and the coupling's rebase to token MID keep
+    every factor within exp(+-64) and the outputs within the bounds. Without the floor the
+    same inputs give non-finite or wrong outputs, so the cases above test it."""
+    params = {"Q": 8, "H": 3, "lower_bound": None, "gate_logits": (200.0, 100.0), "ragged": False}
+    inputs = _inputs(params)
+    g_raw = inputs["raw_g"].view(-1, 8, 3, 128)  # full windows: [B, Q, H, K]
+    exact = reference.gate(g_raw, inputs["a_log"], inputs["dt_bias"], None, F64)
+    assert exact.sum(dim=1).min() < -1000  # the window's log decay, per channel
+    ref, masks = _reference(inputs), verify_write_masks(inputs)
+    _assert_within_bounds(_errors(_emulate(inputs), ref, masks))
+
+    monkeypatch.setattr(emulate, "softplus_gate_floor", lambda window: float("inf"))
+    unbounded = _emulate(inputs)
+    errors = _errors(unbounded, ref, masks)
+    finite = all(unbounded[n][masks[n]].isfinite().all() for n in ("out", "corr"))
+    assert not finite or any(v > BOUNDS[k] for k, v in errors.items())
 
 
 def test_warp_sum_order() -> None:

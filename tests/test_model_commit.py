@@ -20,12 +20,22 @@ K = 128
 F64 = torch.float64
 
 
-def gate64(g_raw: Tensor, a_log: float, bias: Tensor, lower_bound: float) -> Tensor:
-    return lower_bound * torch.sigmoid(math.exp(a_log) * (g_raw.double() + bias.double()))
+def gate64(g_raw: Tensor, a_log: float, bias: Tensor, lower_bound: float | None) -> Tensor:
+    x = g_raw.double() + bias.double()
+    if lower_bound is None:  # Kimi-Linear's softplus gate, linear above 20
+        return -math.exp(a_log) * torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
+    return lower_bound * torch.sigmoid(math.exp(a_log) * x)
 
 
 def run_tokens(
-    s: Tensor, ks: Tensor, gs: Tensor, vs: Tensor, betas: Tensor, a_log: float, bias: Tensor
+    s: Tensor,
+    ks: Tensor,
+    gs: Tensor,
+    vs: Tensor,
+    betas: Tensor,
+    a_log: float,
+    bias: Tensor,
+    lower_bound: float | None,
 ) -> tuple[list[Tensor], Tensor]:
     """One head, tokens one at a time from ``s`` [V, K] fp64: the states after each token and
     the corrections u_t (what verify records)."""
@@ -33,7 +43,7 @@ def run_tokens(
     for t in range(ks.shape[0]):
         k = ks[t].double()
         k_n = k / torch.sqrt((k * k).sum() + 1e-6)
-        s = s * torch.exp(gate64(gs[t], a_log, bias, -5.0))[None, :]
+        s = s * torch.exp(gate64(gs[t], a_log, bias, lower_bound))[None, :]
         u = betas[t] * (vs[t].double() - s @ k_n)
         s = s + torch.outer(u, k_n)
         states.append(s)
@@ -44,9 +54,11 @@ def run_tokens(
 class Layers:
     """L layers' pools with records written the way verify writes them."""
 
-    def __init__(self, layers: int, heads: int, window: int, slots: int, rows: int, seed: int):
+    def __init__(self, layers: int, heads: int, window: int, slots: int, rows: int, seed: int,
+                 lower_bound: float | None = -5.0, gate_std: float = 1.5):  # fmt: skip
         g = torch.Generator().manual_seed(seed)
         self.heads, self.window = heads, window
+        self.lower_bound, self.gate_std = lower_bound, gate_std
         self.states = [
             (torch.randn(slots, heads, K, K, generator=g) * 0.1).bfloat16() for _ in range(layers)
         ]
@@ -65,12 +77,13 @@ class Layers:
         truth = []
         for h in range(heads):
             ks = torch.randn(qlen, K, generator=g).bfloat16()
-            gs = (torch.randn(qlen, K, generator=g) * 1.5).bfloat16()
+            gs = (torch.randn(qlen, K, generator=g) * self.gate_std).bfloat16()
             vs = torch.randn(qlen, K, generator=g).bfloat16()
             betas = torch.sigmoid(torch.randn(qlen, generator=g).double())
             bias = self.dt_bias[layer, h * K : (h + 1) * K]
             s0 = self.states[layer][slot, h].double()
-            states, us = run_tokens(s0, ks, gs, vs, betas, float(self.a_log[layer, h]), bias)
+            states, us = run_tokens(s0, ks, gs, vs, betas, float(self.a_log[layer, h]), bias,
+                                    self.lower_bound)  # fmt: skip
             self.corrs[layer][row, h, :qlen] = us.float()
             self.kgs[layer][row, h, :qlen] = torch.cat([ks, gs], -1)
             truth.append(states)
@@ -82,11 +95,19 @@ def assert_state(got: Tensor, want: Tensor) -> None:
     assert err < 1e-2, err  # bf16 rounding of the stored state
 
 
-def test_commit_layers_equals_the_recurrence_per_layer() -> None:
+@pytest.mark.parametrize(
+    ("lower_bound", "gate_std"), [(-5.0, 1.5), (None, 1.5), (None, 200.0)],
+    ids=["bounded", "softplus", "softplus-forgetting"],
+)  # fmt: skip
+def test_commit_layers_equals_the_recurrence_per_layer(
+    lower_bound: float | None, gate_std: float
+) -> None:
     """Three layers, records by request row, random accepted counts and a padding request:
-    every layer's slot holds the state after its accepted tokens; nothing else moves."""
+    every layer's slot holds the state after its accepted tokens; nothing else moves. Both
+    gates; with raw gates spread 200 the softplus gate forgets inside the window."""
     layers, heads, window, batch = 3, 2, 4, 5
-    pools = Layers(layers, heads, window, slots=9, rows=batch + 2, seed=1)
+    pools = Layers(layers, heads, window, slots=9, rows=batch + 2, seed=1,
+                   lower_bound=lower_bound, gate_std=gate_std)  # fmt: skip
     slots = torch.tensor([3, 0, 7, 1, 5], dtype=torch.int32)  # request 1: null slot 0
     accepted = torch.tensor([1, 3, 4, 2, 0], dtype=torch.int32)  # request 4: a == 0
     truths = [
@@ -97,7 +118,7 @@ def test_commit_layers_equals_the_recurrence_per_layer() -> None:
     plan = reference.commit_plan(slots, accepted, null_slot=0, slot_count=9, window=window,
                                  rows=batch + 2)  # fmt: skip
     reference.commit_layers(pools.states, pools.corrs, pools.kgs, pools.a_log, pools.dt_bias,
-                            plan, lower_bound=-5.0)  # fmt: skip
+                            plan, lower_bound=lower_bound)  # fmt: skip
     for layer in range(layers):
         for b in range(batch):
             slot, a = int(slots[b]), int(accepted[b])
@@ -172,8 +193,11 @@ def test_commit_plan_follows_vllm_request_by_request() -> None:
     assert any(bc for *_, bc in want) and any(c == 0 for c, *_ in want)  # both kinds covered
 
 
-@pytest.mark.parametrize("dim_first", [False, True])
-def test_speculative_loop_with_prefix_caching(dim_first: bool) -> None:
+@pytest.mark.parametrize(
+    ("dim_first", "lower_bound"), [(False, -5.0), (True, -5.0), (False, None)],
+    ids=["token-major", "dim-first", "token-major-softplus"],
+)  # fmt: skip
+def test_speculative_loop_with_prefix_caching(dim_first: bool, lower_bound: float | None) -> None:
     """20 steps of vLLM's align mode on two layers: per request a block table of 16-token
     blocks, the running state in the block of the last computed token; each step drafts a
     ragged window from it, accepts a random prefix and commits. After every step the final
@@ -181,7 +205,8 @@ def test_speculative_loop_with_prefix_caching(dim_first: bool) -> None:
     state at that boundary, and the conv history rows the last three accepted tokens."""
     layers, heads, window, batch, block, blocks = 2, 1, 4, 3, 16, 8
     slot_count = 1 + batch * blocks
-    pools = Layers(layers, heads, window, slots=slot_count, rows=slot_count, seed=7)
+    pools = Layers(layers, heads, window, slots=slot_count, rows=slot_count, seed=7,
+                   lower_bound=lower_bound)  # fmt: skip
     g = pools.gen
     conv_dim = 3 * heads * K
     convs = []
@@ -221,7 +246,7 @@ def test_speculative_loop_with_prefix_caching(dim_first: bool) -> None:
             block_size=block,
         )  # fmt: skip
         reference.commit_layers(pools.states, pools.corrs, pools.kgs, pools.a_log,
-                                pools.dt_bias, plan, lower_bound=-5.0,
+                                pools.dt_bias, plan, lower_bound=lower_bound,
                                 conv_states=views)  # fmt: skip
         for r in range(batch):
             done, a = int(computed[r]), int(accepted[r])

@@ -153,9 +153,9 @@ def test_commit_context_refuses_what_it_cannot_serve(monkeypatch) -> None:
     with pytest.raises(KdaInputError, match="the same `gate_lower_bound`"):
         KDARecoverSSMCommitContext.create(vllm_layers(bounds=[-5.0, -5.0, -4.0]),
                                           spec_query_len=Q, max_num_reqs=8)  # fmt: skip
-    with pytest.raises(KdaInputError, match="softplus gate"):
-        KDARecoverSSMCommitContext.create(vllm_layers(bounds=[None] * LAYERS),
-                                          spec_query_len=Q, max_num_reqs=8)  # fmt: skip
+    softplus = KDARecoverSSMCommitContext.create(vllm_layers(bounds=[None] * LAYERS),
+                                                 spec_query_len=Q, max_num_reqs=8)  # fmt: skip
+    assert softplus.pools.gate == "softplus" and softplus.pools.lower_bound is None
     with pytest.raises(KdaInputError, match="`spec_query_len` is 8"):
         KDARecoverSSMCommitContext.create(vllm_layers(), spec_query_len=8, max_num_reqs=8)
     with pytest.raises(KdaInputError, match="`kv_cache` = "):

@@ -95,13 +95,22 @@ def test_an_explicit_variant_must_fit_the_inputs() -> None:
         _validate(_inputs(), VARIANT.replace(conv=True))
 
 
-def test_vllm_entry_rejects_the_unbounded_gate_and_bad_layouts() -> None:
+def test_lower_bound_none_selects_the_softplus_gate() -> None:
+    softplus = VARIANT.replace(gate="softplus")
+    assert _validate(_inputs(), softplus, lower_bound=None).variant == softplus
+    with pytest.raises(KdaInputError, match="gate: variant has 'kda', tensors need 'softplus'"):
+        _validate(_inputs(), VARIANT, lower_bound=None)
+    with pytest.raises(KdaInputError, match="gate: variant has 'softplus', tensors need 'kda'"):
+        _validate(_inputs(), softplus)
+
+
+def test_vllm_entry_rejects_bad_layouts() -> None:
     x = _inputs()
     t = x["qkv"].shape[0]
     q = torch.zeros(1, t, H, 128, dtype=torch.bfloat16)
     args = (q, q, q, q, q[..., 0], x["a_log"], x["dt_bias"])
     tail = (x["state"], x["corr"], x["kg"], x["query_start"], x["slots"], Q)
-    with pytest.raises(KdaInputError, match="`lower_bound` must be a negative float"):
+    with pytest.raises(KdaInputError, match="must be on a CUDA device"):  # past the gate
         kda_recoverssm_verify(*args, None, *tail)
     with pytest.raises(KdaInputError, match=r"`q` must have shape \[1, T, H, 128\]"):
         kda_recoverssm_verify(q[0], *args[1:], -5.0, *tail)

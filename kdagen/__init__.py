@@ -1,26 +1,22 @@
 """kdagen: autotuning and code generation for KDA speculative verify/commit kernels.
 
-``kdagen.verify``, ``kdagen.commit`` and ``kdagen.ModelCommit`` are the run-time API
-(``kdagen.runtime``, ``kdagen.model_commit``), imported on first use so that the command line
-need not load torch.
+``kdagen.verify``, ``kdagen.commit``, ``kdagen.ModelCommit`` and ``kdagen.KdaInputError`` are
+the serving API (``kdagen.serve``), imported on first use so that the command line need not
+load torch.
 """
 
 __version__ = "0.1.0"
 
-_RUNTIME = {
-    "verify": "kdagen.runtime",
-    "commit": "kdagen.runtime",
-    "ModelCommit": "kdagen.model_commit",
-}
+_SERVE = ("verify", "commit", "ModelCommit", "KdaInputError")
 
 
 def __getattr__(name: str) -> object:
-    if name in _RUNTIME:
-        import importlib
+    if name in _SERVE:
+        from kdagen import serve
 
-        return getattr(importlib.import_module(_RUNTIME[name]), name)
+        return getattr(serve, name)
     raise AttributeError(f"module 'kdagen' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_RUNTIME])
+    return sorted([*globals(), *_SERVE])

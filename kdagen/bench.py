@@ -27,7 +27,7 @@ import torch
 
 from kdagen.cases import POOL_PAD, CommitCase, make_commit_inputs
 from kdagen.emulate import relative_errors
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 K = 128
 WARMUP_REPLAYS = 3
@@ -174,7 +174,7 @@ def bench_commit(
     seed: int = 0,
 ) -> list[CommitBenchRow]:
     """Every variant (of one contract key) at every batch size; rows in that order."""
-    from kdagen.runtime import commit
+    from kdagen.serve.runtime import commit
 
     rows: list[CommitBenchRow] = []
     heads, window = variants[0].heads, variants[0].window
@@ -276,7 +276,7 @@ def verify_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, A
 
 def verify_launch(inputs: dict[str, Any], variant: Variant) -> Callable[[], None]:
     """kdagen's verify on one input set, as a no-argument launch."""
-    from kdagen.runtime import verify
+    from kdagen.serve.runtime import verify
     from kdagen.testing import verify_args
 
     args = verify_args(inputs)
@@ -439,7 +439,7 @@ def time_variant(variant: Variant, batch: int, seed: int = 0) -> Timing:
     """Cold-L2 graph timing of one variant at one batch size (the study's input sets)."""
     sets = study_sets(variant, batch, seed)
     if variant.kernel == "commit":
-        from kdagen.runtime import commit
+        from kdagen.serve.runtime import commit
 
         return time_graph([lambda s=s: commit(**s, variant=variant) for s in sets])  # type: ignore[misc]
     return time_graph([verify_launch(s, variant) for s in sets])

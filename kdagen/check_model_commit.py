@@ -17,8 +17,8 @@ import torch
 
 from kdagen import reference
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
+from kdagen.serve.variant import Variant
 from kdagen.testing import bits, poison_
-from kdagen.variant import Variant
 
 K = 128
 GUARD = 256  # poisoned elements after every buffer
@@ -140,7 +140,7 @@ def _reference_plan(case: ModelCase, layers: dict, step: dict, window: int) -> A
 
 
 def _model(inputs: dict[str, Any], case: ModelCase) -> Any:
-    from kdagen.model_commit import ModelCommit
+    from kdagen.serve.model_commit import ModelCommit
 
     return ModelCommit(
         inputs["states"], inputs["corrs"], inputs["kgs"], inputs["a_logs"], inputs["dt_biases"],

@@ -19,6 +19,7 @@ import torch
 
 from kdagen import reference
 from kdagen.emulate import relative_errors
+from kdagen.serve.variant import Variant
 from kdagen.testing import (
     bits,
     clone_inputs,
@@ -26,7 +27,6 @@ from kdagen.testing import (
     verify_inputs_for,
     verify_write_masks,
 )
-from kdagen.variant import Variant
 
 REL_L2 = {"out": 3e-3, "corr": 1e-4}
 MAX_REL = {"out": 8e-3}  # bf16 rounding alone reaches 2^-8 on out
@@ -111,7 +111,7 @@ def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]
 
 
 def run_kernel(inputs: dict[str, Any], variant: Variant, counter: torch.Tensor) -> None:
-    from kdagen.runtime import verify
+    from kdagen.serve.runtime import verify
 
     args = verify_args(inputs)
     verify(**args, counter=counter, variant=variant)

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdagen.dispatch import TABLE_FILE, StaleTableError, check_fresh, load_table, table_folder_for
+from kdagen.serve.dispatch import (
+    TABLE_FILE,
+    StaleTableError,
+    check_fresh,
+    load_table,
+    table_folder_for,
+)
 from kdagen.space import DEFAULT_SPACES
 
 SERVED = 0  # the GPU's own table, fresh, every study tuned: nothing to do

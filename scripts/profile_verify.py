@@ -9,9 +9,9 @@ import sys
 import torch
 
 from kdagen.bench import verify_inputs
-from kdagen.runtime import verify
+from kdagen.serve.runtime import verify
+from kdagen.serve.variant import Variant
 from kdagen.testing import verify_args
-from kdagen.variant import Variant
 
 
 def main(name: str, batch: int, launches: int = 4) -> None:

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdagen.dispatch import (
+from kdagen.emit import EmitError, emit
+from kdagen.serve.dispatch import (
     TABLE_FILE,
     DispatchFallbackWarning,
     StaleTableError,
     load_table,
 )
-from kdagen.emit import EmitError, emit
-from kdagen.resources import data_dir
-from kdagen.variant import VariantError
+from kdagen.serve.resources import data_dir
+from kdagen.serve.variant import VariantError
 
 TABLE = data_dir("generated") / "nvidia-h200-sm90-132sm"
 KEYS = ["verify-h12-q4-i32", "commit-h12-q4-i32"]
@@ -166,7 +166,7 @@ def test_emit_does_not_replace_a_folder_it_did_not_write(tmp_path: Path) -> None
 def test_the_package_gives_kdagens_bits(package: Path, tmp_path: Path) -> None:
     """verify then commit through the package (in a process without kdagen) and through
     kdagen, on the same inputs: out, corr, kg and the committed state bit-identical."""
-    from kdagen.runtime import commit, verify
+    from kdagen.serve.runtime import commit, verify
     from kdagen.testing import bits, clone_inputs, commit_args, make_verify_inputs, verify_args
 
     inputs = make_verify_inputs(20, 12, 4, device="cuda", seed=7)

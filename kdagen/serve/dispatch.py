@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdagen.resources import data_dir
-from kdagen.variant import Variant, VariantError
+from .resources import data_dir
+from .variant import Variant, VariantError
 
 TABLE_FILE = "dispatch.json"
 FORMAT = 1
@@ -186,8 +186,8 @@ def load_table(folder: Path) -> DispatchTable | None:
 
 def check_fresh(table: DispatchTable, kernel: str, source: str) -> None:
     """Raise ``StaleTableError`` naming what changed when ``table`` no longer matches the code."""
-    from kdagen import bundle
-    from kdagen.fingerprint import dsl_version
+    from . import bundle
+    from .fingerprint import dsl_version
 
     if bundle.active():
         # An emitted package's kernels were compiled from this table's templates (emit refuses
@@ -220,7 +220,7 @@ def generated_root() -> Path:
     """Where tables live: an emitted package's own ``generated/``; else
     ``$KDAGEN_GENERATED``, else the shipped tables (``generated/`` of the checkout, or of the
     installed package)."""
-    from kdagen import bundle
+    from . import bundle
 
     if bundle.active():
         return bundle.table_root()
@@ -389,7 +389,7 @@ def _table_folder(device: Any) -> Path | None:
     fingerprint = os.environ.get("KDAGEN_FINGERPRINT") or _fingerprints.get(device)
     if not fingerprint:
         try:
-            from kdagen.fingerprint import gpu_fingerprint
+            from .fingerprint import gpu_fingerprint
 
             fingerprint = gpu_fingerprint(device)
         except (AssertionError, RuntimeError, ImportError):  # no CUDA: torch raises these

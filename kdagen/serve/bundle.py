@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kdagen.validate import KdaInputError
+from .validate import KdaInputError
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 MANIFEST = "manifest.json"

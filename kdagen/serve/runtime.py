@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from kdagen.validate import KdaInputError, check_scalar, check_state, check_tensor
-from kdagen.variant import Variant
+from .validate import KdaInputError, check_scalar, check_state, check_tensor
+from .variant import Variant
 
 # verify's bound on |Q x lower_bound|. The window's log decay G_t reaches Q x lower_bound when
 # every gate saturates; the kernels scale the probes by exp(G) and the w rows by exp(-G), so
@@ -40,7 +40,7 @@ def device_arch(device: torch.device | None = None) -> str:
 def launcher(variant: Variant, arch: str) -> Any:
     """The compiled kernel for ``arch``: in a package written by ``kdagen emit``, its prebuilt
     object; else the compile cache's exported object, else compiled now."""
-    from kdagen import bundle
+    from . import bundle
 
     if arch not in variant.spec.archs:
         raise KdaInputError(
@@ -62,7 +62,7 @@ def launcher(variant: Variant, arch: str) -> Any:
             warnings.warn(f"kdagen: could not load {obj} ({err}); compiling", stacklevel=2)
     import cutlass.cute as cute
 
-    from kdagen.abi import placeholder_args
+    from .abi import placeholder_args
 
     compiled = cute.compile(
         kcompile.kernel_object(variant), *placeholder_args(variant),
@@ -196,9 +196,9 @@ _COMMIT_TENSORS = (
 
 def launch_commit(variant: Variant, **values: Any) -> None:
     """Launch the commit kernel on the current stream; ``values`` maps its parameters
-    (``kdagen.abi.commit_params``) to tensors and numbers; the plan parameters a caller
+    (``abi.commit_params``) to tensors and numbers; the plan parameters a caller
     leaves out take ``_COMMIT_DEFAULTS`` and absent tensors are never read."""
-    from kdagen.abi import launch_args
+    from .abi import launch_args
 
     state = values["state"]
     values = _COMMIT_DEFAULTS | values
@@ -222,7 +222,7 @@ def _dispatched(
     **conv: Any,
 ) -> Variant:
     """The GPU's dispatch table choice (generated/<gpu>/), else the built-in heuristic."""
-    from kdagen import dispatch
+    from . import dispatch
 
     contract = {"heads": heads, "window": window, "slot_dtype": slot_dtype, **conv}
     return dispatch.choose(
@@ -560,7 +560,7 @@ def launch_verify(
     else:
         check_tensor("kdagen.verify", "counter", counter, dims=[1], dtypes=[torch.int32],
                      device=device)  # fmt: skip
-    from kdagen.abi import launch_args
+    from .abi import launch_args
 
     fn = launcher(launch.variant, device_arch(device))
     q, k, v = launch.qkv

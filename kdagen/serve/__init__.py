@@ -1,0 +1,38 @@
+"""kdagen.serve: the serving run-time, what an inference engine imports.
+
+Validation and launch (``runtime``), the dispatch-table lookup (``dispatch``), the all-layer
+commit (``model_commit``), vLLM's entry points (``vllm``) and the torch custom ops (``ops``).
+Its modules import one another relatively, so ``kdagen emit`` copies this folder as it is
+into the package it writes.
+
+The API below loads on first access, with the torch ops (registered then): the build side
+imports the torch-free modules (``variant``, ``fingerprint``, ``resources``) without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_API = {
+    "verify": "runtime",
+    "commit": "runtime",
+    "ModelCommit": "model_commit",
+    "KdaInputError": "validate",
+    "kda_recoverssm_verify": "vllm",
+    "KDARecoverSSMCommitContext": "vllm",
+    "ops": "ops",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(".ops", __name__)  # registers kdagen::verify, ::commit, ...
+    module = importlib.import_module(f".{_API[name]}", __name__)
+    return module if name == "ops" else getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kdagen import reference
+from kdagen import first_use, reference
 from kdagen.cases import CHECK_CASES, CommitCase, make_commit_inputs, pool_of
 from kdagen.serve.variant import Variant
+
+first_use.enable()  # the launches here compile their kernels on first use
 
 # bf16 output: half an ulp is 2^-9 relative; allow a few ulps for fp32 math and fast exp.
 COMMIT_MAX_REL = 8e-3  # max |kernel - ref| / (|ref| + 1e-2 * rms(ref)) over touched elements

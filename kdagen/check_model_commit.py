@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
-from kdagen import reference
+from kdagen import first_use, reference
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
 from kdagen.serve.variant import Variant
 from kdagen.testing import bits, poison_
+
+first_use.enable()  # the launches here compile their kernels on first use
 
 K = 128
 GUARD = 256  # poisoned elements after every buffer

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kdagen import __version__
+from kdagen import __version__, first_use
 from kdagen.serve.variant import Variant, parse_contract_key
 
 if TYPE_CHECKING:
@@ -87,7 +87,8 @@ def emit(
     keys = list(keys or table.entries)
     choices = {key: _choices(table, key, arch) for key in keys}
     for kernel in sorted({key.split("-", 1)[0] for key in keys}):
-        dispatch.check_fresh(table, kernel, str(table_dir / dispatch.TABLE_FILE))
+        where = str(table_dir / dispatch.TABLE_FILE)
+        dispatch.check_fresh(table, kernel, where, first_use.SOURCE)  # against the templates
     variants = sorted({v for by_batch in choices.values() for v in by_batch.values()})
     report = (lambda record: on_compiled(record, len(variants))) if on_compiled else None
     objects = _compile([Variant.parse(v) for v in variants], arch, jobs, report)

@@ -2,8 +2,14 @@
 
 Validation and launch (``runtime``), the dispatch-table lookup (``dispatch``), the all-layer
 commit (``model_commit``), vLLM's entry points (``vllm``) and the torch custom ops (``ops``).
-Its modules import one another relatively, so ``kdagen emit`` copies this folder as it is
-into the package it writes.
+It imports the standard library, torch, nvidia-cutlass-dsl and its own modules only (no
+Jinja, Optuna, Typer, YAML, nor kdagen's build side: tests/test_serve.py holds it to that),
+the latter relatively, so ``kdagen emit`` copies the folder as it is into the package it
+writes.
+
+Kernels come from ``kernel_source.current()``: in an emitted package its prebuilt
+``kernels/`` (``bundle``); in kdagen the build side, which compiles on first use
+(``kdagen.first_use``; ``kdagen.verify`` and the rest of kdagen's serving names turn it on).
 
 The API below loads on first access, with the torch ops (registered then): the build side
 imports the torch-free modules (``variant``, ``fingerprint``, ``resources``) without torch.

@@ -1,12 +1,13 @@
 """The serving run-time stands alone: kdagen/serve imports only the standard library, torch,
 nvidia-cutlass-dsl (and vLLM where it asks for its setting), never kdagen's build side or the
-tuning stack, checked two ways (the source's imports, a fresh interpreter's modules); and
-its launches get kernels from the plugged-in
+tuning stack, checked three ways (the source's imports, a fresh interpreter's modules, the
+import-linter contract in pyproject.toml); and its launches get kernels from the plugged-in
 source (``kernel_source``), which kdagen's serving names set to compile on first use."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -77,6 +78,18 @@ def test_a_fresh_interpreter_loads_serve_without_the_build_side() -> None:
     # __init__ and kdagen.serve
     build = sorted(m for m in loaded if m.startswith("kdagen.") and m.split(".")[1] != "serve")
     assert not stack and not build, (stack, build)
+
+
+def test_the_import_linter_contract_is_kept() -> None:
+    """``lint-imports`` run by this interpreter, on this checkout (it analyses the kdagen
+    found from its working directory)."""
+    if importlib.util.find_spec("importlinter") is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
+    run = "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())"
+    done = subprocess.run([sys.executable, "-c", run, "--no-cache"], capture_output=True,
+                          text=True, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 kept, 0 broken" in done.stdout
 
 
 class Recording:

@@ -3,9 +3,9 @@
 Validation and launch (``runtime``), the dispatch-table lookup (``dispatch``), the all-layer
 commit (``model_commit``), vLLM's entry points (``vllm``) and the torch custom ops (``ops``).
 It imports the standard library, torch, nvidia-cutlass-dsl and its own modules only (no
-Jinja, Optuna, Typer, YAML, nor kdagen's build side: tests/test_serve.py holds it to that),
-the latter relatively, so ``kdagen emit`` copies the folder as it is into the package it
-writes.
+Jinja, Optuna, Typer, YAML, nor kdagen's build side: pyproject's import-linter contract and
+tests/test_serve.py hold it to that), the latter relatively, so ``kdagen emit`` copies the
+folder as it is into the package it writes.
 
 Kernels come from ``kernel_source.current()``: in an emitted package its prebuilt
 ``kernels/`` (``bundle``); in kdagen the build side, which compiles on first use

@@ -1,18 +1,19 @@
 """kdagen: autotuning and code generation for KDA speculative verify/commit kernels.
 
-``kdagen.verify``, ``kdagen.commit``, ``kdagen.ModelCommit`` and ``kdagen.KdaInputError`` are
-the serving API (``kdagen.serve``) with kernels compiled on first use (``kdagen.first_use``),
-imported on first access so that the command line need not load torch.
+The serving API (``kdagen.serve``: ``verify``, ``commit``, ``ModelCommit``,
+``KdaInputError``, ``kda_recoverssm_verify``, ``KDARecoverSSMCommitContext``, ``ops``) is
+reachable here too, with kernels compiled on first use (``kdagen.first_use``), and imported
+on first access so that the command line need not load torch.
 """
+
+from kdagen import serve  # light: its API loads on first access
 
 __version__ = "0.1.0"
 
-_SERVE = ("verify", "commit", "ModelCommit", "KdaInputError")
-
 
 def __getattr__(name: str) -> object:
-    if name in _SERVE:
-        from kdagen import first_use, serve
+    if name in serve.__all__:
+        from kdagen import first_use
 
         first_use.enable()
         return getattr(serve, name)
@@ -20,4 +21,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_SERVE])
+    return sorted([*globals(), *serve.__all__])

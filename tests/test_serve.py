@@ -136,7 +136,11 @@ def test_launches_and_table_checks_go_through_the_registered_source(unregistered
 
 
 def test_kdagens_serving_names_compile_on_first_use(unregistered: None) -> None:
+    """kdagen.<name> is kdagen.serve's, with compile on first use turned on."""
     import kdagen
+    from kdagen import serve
+    from kdagen.serve import vllm
 
-    assert kdagen.commit is runtime.commit
+    assert set(serve.__all__) <= set(dir(kdagen))
+    assert kdagen.KDARecoverSSMCommitContext is vllm.KDARecoverSSMCommitContext
     assert kernel_source.current() is first_use.SOURCE

@@ -28,7 +28,7 @@ class FirstUse:
     """Kernels from the compile cache (``kdagen.compile``), compiled where missing."""
 
     def load(self, variant: Variant, arch: str) -> Any:
-        import cutlass.cute as cute  # seconds to import: only once a launch needs a kernel
+        import cutlass.cute as cute  # over a second to import: only once a kernel is needed
 
         out_dir = kcompile.variant_dir(variant) / arch
         obj = out_dir / "kernel.o"
@@ -50,6 +50,7 @@ class FirstUse:
         return compiled
 
     def stale(self, table: DispatchTable, kernel: str) -> str | None:
+        """``staleness`` and what to do about it."""
         why = staleness(table, kernel)
         if why is None:
             return None

@@ -1,4 +1,4 @@
-"""The torch custom ops (kdagen/ops.py) without a GPU: their schemas declare exactly the
+"""The torch custom ops (kdagen/serve/ops.py) without a GPU: their schemas declare exactly the
 tensors each kernel writes, their fake implementations trace under fake CUDA tensors, and
 ``commit_layers`` refuses a handle that is not its model's. tests/test_gpu_ops.py runs them."""
 

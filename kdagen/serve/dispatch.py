@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from . import bundle, kernel_source
-from .kernel_source import KernelSource
 from .resources import data_dir
 from .variant import Variant, VariantError
 
@@ -188,7 +187,10 @@ def load_table(folder: Path) -> DispatchTable | None:
 
 
 def check_fresh(
-    table: DispatchTable, kernel: str, where: str, source: KernelSource | None = None
+    table: DispatchTable,
+    kernel: str,
+    where: str,
+    source: kernel_source.KernelSource | None = None,
 ) -> None:
     """Raise ``StaleTableError`` naming what changed when ``table`` may not choose among
     ``kernel``'s variants from ``source`` (default: where launches get kernels now,

@@ -4,7 +4,7 @@ A source loads the launchable kernel of a variant for an arch, and says why a di
 must not pick a kernel's variants from it (its winners were measured on other kernels).
 ``current()`` is, in a package written by ``kdagen emit``, its prebuilt ``kernels/``
 (``bundle``); elsewhere the source the build side registered (kdagen compiles on first use:
-``kdagen.first_use``). The run-time itself never compiles, so it needs neither.
+``kdagen.first_use``). The run-time never compiles: with neither, it cannot launch.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ def current() -> KernelSource:
         raise NoKernelSourceError(
             f"kdagen: no kernels to launch: no prebuilt kernels ({bundle.KERNELS / bundle.MANIFEST}"
             " is missing) and no kernel source registered. Serve a package written by "
-            "`kdagen emit`, or compile on first use through kdagen: `kdagen.verify`, "
-            "`kdagen.commit` and `kdagen.ModelCommit` turn it on, as does "
-            "`kdagen.first_use.enable()`."
+            "`kdagen emit`, or compile on first use through kdagen: `kdagen.verify` and "
+            "kdagen's other serving names turn it on, as does `kdagen.first_use.enable()`."
         )
     return _registered

@@ -1,26 +1,24 @@
 """kdagen: autotuning and code generation for KDA speculative verify/commit kernels.
 
-``kdagen.verify``, ``kdagen.commit`` and ``kdagen.ModelCommit`` are the run-time API
-(``kdagen.runtime``, ``kdagen.model_commit``), imported on first use so that the command line
-need not load torch.
+The serving API (``kdagen.serve``: ``verify``, ``commit``, ``ModelCommit``,
+``KdaInputError``, ``kda_recoverssm_verify``, ``KDARecoverSSMCommitContext``, ``ops``) is
+reachable here too, with kernels compiled on first use (``kdagen.first_use``), and imported
+on first access so that the command line need not load torch.
 """
+
+from kdagen import serve  # light: its API loads on first access
 
 __version__ = "0.1.0"
 
-_RUNTIME = {
-    "verify": "kdagen.runtime",
-    "commit": "kdagen.runtime",
-    "ModelCommit": "kdagen.model_commit",
-}
-
 
 def __getattr__(name: str) -> object:
-    if name in _RUNTIME:
-        import importlib
+    if name in serve.__all__:
+        from kdagen import first_use
 
-        return getattr(importlib.import_module(_RUNTIME[name]), name)
+        first_use.enable()
+        return getattr(serve, name)
     raise AttributeError(f"module 'kdagen' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_RUNTIME])
+    return sorted([*globals(), *serve.__all__])

@@ -25,9 +25,12 @@ from typing import Any
 
 import torch
 
+from kdagen import first_use
 from kdagen.cases import POOL_PAD, CommitCase, make_commit_inputs
 from kdagen.emulate import relative_errors
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
+
+first_use.enable()  # the launches here compile their kernels on first use
 
 K = 128
 WARMUP_REPLAYS = 3
@@ -189,7 +192,7 @@ def bench_commit(
     seed: int = 0,
 ) -> list[CommitBenchRow]:
     """Every variant (of one contract key) at every batch size; rows in that order."""
-    from kdagen.runtime import commit
+    from kdagen.serve.runtime import commit
 
     rows: list[CommitBenchRow] = []
     heads, window = variants[0].heads, variants[0].window
@@ -291,7 +294,7 @@ def verify_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, A
 
 def verify_launch(inputs: dict[str, Any], variant: Variant) -> Callable[[], None]:
     """kdagen's verify on one input set, as a no-argument launch."""
-    from kdagen.runtime import verify
+    from kdagen.serve.runtime import verify
     from kdagen.testing import lower_bound_for, verify_args
 
     args = verify_args(inputs) | {"lower_bound": lower_bound_for(variant.gate)}
@@ -456,7 +459,7 @@ def time_variant(variant: Variant, batch: int, seed: int = 0) -> Timing:
     """Cold-L2 graph timing of one variant at one batch size (the study's input sets)."""
     sets = study_sets(variant, batch, seed)
     if variant.kernel == "commit":
-        from kdagen.runtime import commit
+        from kdagen.serve.runtime import commit
 
         return time_graph([lambda s=s: commit(**s, variant=variant) for s in sets])  # type: ignore[misc]
     return time_graph([verify_launch(s, variant) for s in sets])

@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
+from kdagen import first_use
 from kdagen.bench import POOL_PAD, sets_for, time_graph
+
+first_use.enable()  # the launches here compile their kernels on first use
 
 K = 128
 HISTORY = 3
@@ -84,7 +87,7 @@ def commit_bytes(s: ModelSet, conv: bool) -> int:
 def model_commit(s: ModelSet, conv: bool) -> Any:
     """``ModelCommit`` over ``s``'s layers (records per request row), with vLLM's conv
     compaction when ``conv``."""
-    from kdagen.model_commit import ModelCommit
+    from kdagen.serve.model_commit import ModelCommit
 
     records = [layer.recoverssm_records for layer in s.layers]
     return ModelCommit(
@@ -140,7 +143,7 @@ def _kdagen_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    query_start: torch.Tensor, slots: torch.Tensor, window: int,
                    out: torch.Tensor) -> None:  # fmt: skip
     """kdagen's verify with vLLM 0.33's signature (records by request row)."""
-    from kdagen.vllm import verify_records
+    from kdagen.serve.vllm import verify_records
 
     verify_records(q, k, v, g, beta, a_log, dt_bias, lower_bound, state, records.correction,
                    records.key_gate, query_start, slots, window, out,
@@ -178,7 +181,7 @@ def bench_model(heads: int, window: int, layers: int, batches: list[int], bandwi
 def _bench_batch(sets: list[ModelSet], window: int, batch: int, peer_commit: Any,
                  peer_verify: Any, step: bool, floor: float, floor_no_conv: float,
                  step_floor: float) -> ModelBenchRow:  # fmt: skip
-    from kdagen.vllm import KDARecoverSSMCommitContext
+    from kdagen.serve.vllm import KDARecoverSSMCommitContext
 
     def commits(factory: Any) -> list:
         made = [(factory.create(s.layers, spec_query_len=window, max_num_reqs=batch), s)

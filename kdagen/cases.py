@@ -1,6 +1,6 @@
 """Random commit inputs for checks and benchmarks: realistic values, never zeros.
 
-Each case is a plain dict of the tensors and scalars ``kdagen.runtime.commit`` takes, built
+Each case is a plain dict of the tensors and scalars ``kdagen.serve.runtime.commit`` takes, built
 on any device from a seed. Edge cases are switches, so the check can name what it covered.
 """
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import typer
 
+from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import DEFAULT_SPACES, Space, SpaceError
-from kdagen.variant import Variant, VariantError
 
 app = typer.Typer(
     help="Generate, compile, check and time KDA speculative verify/commit kernels (CuTe DSL).",
@@ -145,8 +145,8 @@ def _num(value: int | None) -> str:
 def _runnable(variants: list[Variant]) -> tuple[str, list[Variant]]:
     """The variants this GPU can run; the others are listed as refused, with why. Exits with
     status 2 when none is left."""
-    from kdagen import runtime
     from kdagen.check import gpu_refusal
+    from kdagen.serve import runtime
 
     arch = runtime.device_arch()
     refusals = [(v, gpu_refusal(v, arch)) for v in variants]
@@ -423,10 +423,10 @@ def emit(
 ) -> None:
     """Turn a tuned table into a package to vendor: prebuilt kernels, the table and the
     run-time API (needs only torch and nvidia-cutlass-dsl)."""
-    from kdagen.dispatch import StaleTableError, generated_root
     from kdagen.emit import EmitError
     from kdagen.emit import emit as write_package
-    from kdagen.variant import VariantError
+    from kdagen.serve.dispatch import StaleTableError, generated_root
+    from kdagen.serve.variant import VariantError
 
     if table is None:
         found = sorted(p.parent for p in generated_root().glob("*/dispatch.json"))
@@ -476,7 +476,7 @@ def doctor(
 
     if fingerprint is None:
         try:
-            from kdagen.fingerprint import gpu_fingerprint
+            from kdagen.serve.fingerprint import gpu_fingerprint
 
             fingerprint = gpu_fingerprint()
         except (AssertionError, RuntimeError):  # torch raises these without CUDA

@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from kdagen.render import digest, render
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -155,7 +155,7 @@ def export_symbol(variant: Variant) -> str:
 def _compile(variant: Variant, arch: str, out_dir: Path, root: Path | None) -> Any:
     import cutlass.cute as cute
 
-    from kdagen.abi import placeholder_args
+    from kdagen.serve.abi import placeholder_args
 
     dump = out_dir / "dump"
     dump.mkdir(parents=True, exist_ok=True)

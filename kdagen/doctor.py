@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdagen.dispatch import TABLE_FILE, StaleTableError, check_fresh, load_table, table_folder_for
+from kdagen.first_use import staleness
+from kdagen.serve.dispatch import TABLE_FILE, load_table, table_folder_for
 from kdagen.space import DEFAULT_SPACES
 
 SERVED = 0  # the GPU's own table, fresh, every study tuned: nothing to do
@@ -82,10 +83,9 @@ def diagnose(
         return Diagnosis(fingerprint, folder, missing=True)
     found = Diagnosis(fingerprint, folder, borrowed, table.created, table.dsl_version)
     for kernel in sorted(table.kernels()):
-        try:
-            check_fresh(table, kernel, str(folder / TABLE_FILE))
-        except StaleTableError as err:
-            found.stale[kernel] = str(err).split(": ", 2)[-1].split(". Its winners")[0]
+        why = staleness(table, kernel)  # what the run-time's check_fresh refuses
+        if why:
+            found.stale[kernel] = why
     arch = _ARCHS.get(fingerprint.rsplit("-", 2)[-2], "")
     plans, _ = plan_studies(spaces, workloads, arch) if arch else ([], [])
     for plan in plans:

@@ -3,11 +3,13 @@
 The package needs torch and nvidia-cutlass-dsl only (no kdagen, Jinja, Optuna or YAML), and
 never compiles: it holds
 
-- copies of the run-time modules (``RUNTIME_MODULES``: validation, dispatch, launch, the
-  vLLM entry point), their ``kdagen`` imports pointed at the package;
+- ``kdagen/serve`` copied as it is (validation, dispatch, launch, the vLLM entry points, the
+  torch ops; its ``__init__`` is the package's API);
 - the dispatch table, under ``generated/<fingerprint>/`` as in a checkout;
 - ``kernels/``: the exported object of every variant the table can choose for the selected
-  contract keys, and ``manifest.json`` naming each object's symbol (``kdagen.bundle``).
+  contract keys, and ``manifest.json`` naming each object's symbol (``kdagen.serve.bundle``
+  finds it there and makes the package's kernels the launches' source);
+- ``README.md``: what it serves and was made from.
 
 Which variants: for each key and each batch bucket the table has for it, the variant the
 run-time's own lookup picks (``dispatch.resolve`` over the built-in heuristic), so any batch
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import shutil
 import warnings
 from collections.abc import Callable, Sequence
@@ -28,18 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kdagen import __version__
-from kdagen.variant import Variant, parse_contract_key
+from kdagen import __version__, first_use
+from kdagen.serve.variant import Variant, parse_contract_key
 
 if TYPE_CHECKING:
-    from kdagen.dispatch import DispatchTable
+    from kdagen.serve.dispatch import DispatchTable
 
-# The run-time modules an emitted package carries (kdagen/<name>.py, copied).
-RUNTIME_MODULES = (
-    "abi", "bundle", "dispatch", "fingerprint", "model_commit", "ops", "resources", "runtime",
-    "validate", "variant", "vllm",
-)  # fmt: skip
-KDAGEN_IMPORT = re.compile(r"\bfrom kdagen(?=[. ])")
+SERVE = Path(__file__).resolve().parent / "serve"
 
 
 class EmitError(RuntimeError):
@@ -69,7 +65,7 @@ def emit(
     """Write the package ``out/name`` from the table in ``table_dir``; ``keys``: the contract
     keys to serve (default: every key the table has entries for). ``on_compiled(record,
     total)`` is called as each of the ``total`` kernels compiles (or comes from the cache)."""
-    from kdagen import dispatch
+    from kdagen.serve import dispatch
 
     if not name.isidentifier():
         raise EmitError(f"--name {name!r} is not a Python package name")
@@ -91,7 +87,8 @@ def emit(
     keys = list(keys or table.entries)
     choices = {key: _choices(table, key, arch) for key in keys}
     for kernel in sorted({key.split("-", 1)[0] for key in keys}):
-        dispatch.check_fresh(table, kernel, str(table_dir / dispatch.TABLE_FILE))
+        where = str(table_dir / dispatch.TABLE_FILE)
+        dispatch.check_fresh(table, kernel, where, first_use.SOURCE)  # against the templates
     variants = sorted({v for by_batch in choices.values() for v in by_batch.values()})
     report = (lambda record: on_compiled(record, len(variants))) if on_compiled else None
     objects = _compile([Variant.parse(v) for v in variants], arch, jobs, report)
@@ -99,7 +96,8 @@ def emit(
     if package.exists():
         shutil.rmtree(package)  # an earlier emit (checked above)
     kernels = _write_kernels(package, arch, objects)
-    _copy_runtime(package, name)
+    for module in sorted(SERVE.glob("*.py")):
+        shutil.copyfile(module, package / module.name)
     table_folder = package / "generated" / table.fingerprint
     table_folder.mkdir(parents=True)
     shutil.copyfile(table_dir / dispatch.TABLE_FILE, table_folder / dispatch.TABLE_FILE)
@@ -117,7 +115,7 @@ def emit(
         "kernels": kernels,
     }
     (package / "kernels" / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    (package / "__init__.py").write_text(_init_source(manifest))
+    (package / "README.md").write_text(_readme(manifest))
     size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
     return Emitted(package, table.fingerprint, arch, keys, variants, size, choices)
 
@@ -133,7 +131,7 @@ def _write_kernels(package: Path, arch: str, objects: dict[str, tuple[Path, str]
     (package / "kernels" / arch).mkdir(parents=True)
     kernels = {}
     for variant, (obj, symbol) in objects.items():
-        target = Path(arch) / f"{variant}.o"  # relative to kernels/, as kdagen.bundle reads it
+        target = Path(arch) / f"{variant}.o"  # relative to kernels/, as bundle reads it
         shutil.copyfile(obj, package / "kernels" / target)
         kernels[variant] = {arch: {"object": target.as_posix(), "symbol": symbol}}
     return kernels
@@ -141,8 +139,8 @@ def _write_kernels(package: Path, arch: str, objects: dict[str, tuple[Path, str]
 
 def _choices(table: DispatchTable, key: str, arch: str) -> dict[int, str]:
     """Bucket -> the variant the run-time's lookup picks for ``key`` there."""
-    from kdagen import dispatch
-    from kdagen.runtime import heuristic_variant
+    from kdagen.serve import dispatch
+    from kdagen.serve.runtime import heuristic_variant
 
     contract = parse_contract_key(key)
     kernel = contract.pop("kernel")
@@ -179,27 +177,20 @@ def _compile(
     return {v.name: (variant_dir(v) / arch / "kernel.o", export_symbol(v)) for v in variants}
 
 
-def _copy_runtime(package: Path, name: str) -> None:
-    """The run-time modules, their ``from kdagen`` imports turned into ``from <name>``."""
-    source = Path(__file__).resolve().parent
-    header = (
-        f"# Copied by `kdagen emit` (kdagen {__version__}) from kdagen/{{module}}.py. Here\n"
-        "# kdagen.bundle is active: kernels load from kernels/, and the compile and template\n"
-        "# paths (kdagen's compile and render modules, not copied) are never taken.\n"
-    )
-    for module in RUNTIME_MODULES:
-        text = KDAGEN_IMPORT.sub(f"from {name}", (source / f"{module}.py").read_text())
-        (package / f"{module}.py").write_text(header.format(module=module) + text)
-
-
-def _init_source(manifest: dict) -> str:
+def _readme(manifest: dict) -> str:
     keys = "\n".join(f"    {key}" for key in manifest["keys"])
-    return f'''"""KDA speculative-decoding kernels for {manifest["fingerprint"]} ({manifest["arch"]}), emitted
+    return f"""# {manifest["package"]}
+
+KDA speculative-decoding kernels for {manifest["fingerprint"]} ({manifest["arch"]}), emitted
 by kdagen {manifest["kdagen"]} on {manifest["emitted"]} from the dispatch table tuned on
 {manifest["table_created"]}. Needs torch and nvidia-cutlass-dsl=={manifest["dsl_version"]}.
 
-{len(manifest["kernels"])} prebuilt kernels serve these contract keys (any batch):
+{len(manifest["kernels"])} prebuilt kernels (`kernels/`) serve these contract keys (any batch):
+
 {keys}
+
+The API (`import {manifest["package"]}`; first use registers the torch ops kdagen::verify,
+kdagen::commit and kdagen::commit_layers):
 
     verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg, ...)
     commit(state, corr, kg, a_log, dt_bias, slots, accepted, ...)
@@ -207,17 +198,6 @@ by kdagen {manifest["kdagen"]} on {manifest["emitted"]} from the dispatch table 
     kda_recoverssm_verify(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, ...)
     KDARecoverSSMCommitContext.create(layers, spec_query_len=, max_num_reqs=).commit(...)
 
-Arguments and layouts as in kdagen's README; bad input raises KdaInputError.
+Arguments and layouts as in kdagen's README; bad input raises KdaInputError, and so does a
+variant this package does not hold. The modules are kdagen's `kdagen/serve`, unchanged.
 """
-
-from {manifest["package"]} import ops  # registers the torch ops kdagen::verify, ::commit, ::commit_layers
-from {manifest["package"]}.model_commit import ModelCommit
-from {manifest["package"]}.runtime import commit, verify
-from {manifest["package"]}.validate import KdaInputError
-from {manifest["package"]}.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
-
-__all__ = [
-    "KDARecoverSSMCommitContext", "KdaInputError", "ModelCommit", "commit",
-    "kda_recoverssm_verify", "ops", "verify",
-]
-'''

@@ -18,7 +18,7 @@ import optuna
 
 from kdagen.compile import CompileRecord
 from kdagen.search import FAILURE_SCORE, Outcome, recorded
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 from kdagen.worker import Worker, WorkerFailure
 
 

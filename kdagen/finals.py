@@ -19,7 +19,7 @@ import optuna
 
 from kdagen.evaluate import CandidateEvaluator
 from kdagen.search import recorded
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 MIN_NOISE_PCT = 1.0  # margins below this never count as a win
 # The version of pick_winner's rule a final was picked under. Rule 1 also counted the second

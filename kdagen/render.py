@@ -10,9 +10,9 @@ from pathlib import Path
 
 import jinja2
 
-from kdagen.fingerprint import dsl_version
-from kdagen.resources import data_dir
-from kdagen.variant import Variant
+from kdagen.serve.fingerprint import dsl_version
+from kdagen.serve.resources import data_dir
+from kdagen.serve.variant import Variant
 
 TEMPLATE_DIR = Path(os.environ.get("KDAGEN_TEMPLATES", data_dir("templates")))
 

@@ -1,7 +1,7 @@
 """What a tuning run leaves in ``generated/<fingerprint>/``: dispatch table, winners, report.
 
 - ``dispatch.json``: (contract key, batch bucket) -> tuning fields, stamped with the
-  fingerprint, DSL version and template hashes (``kdagen.dispatch``), plus a per-GPU default
+  fingerprint, DSL version and template hashes (``kdagen.serve.dispatch``), plus a per-GPU default
   per kernel and bucket: the config that won the most studies there.
 - ``winners.json``: per study the winner, its interleaved time, margins over the runner-up
   and the default, the finalists' round times, trials, and every failure with its reason.
@@ -28,9 +28,9 @@ from typing import Any
 
 import optuna
 
-from kdagen.dispatch import DispatchTable, Entry, write_table
 from kdagen.render import kernels_digest
 from kdagen.search import recorded
+from kdagen.serve.dispatch import DispatchTable, Entry, write_table
 
 
 @dataclass

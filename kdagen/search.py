@@ -27,7 +27,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from kdagen.variant import PATHS, Variant, VariantError
+from kdagen.serve.variant import PATHS, Variant, VariantError
 
 FAILURE_SCORE = 1e9  # us; above any kernel time, so TPE ranks failures last
 STALE_ASKS = 8  # repeated or invalid suggestions in a row before an unseen one is enqueued

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kdagen.compile import CompileRecord
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 DEVICE = {
     "fingerprint": "simulated-h200-sm90-132sm",

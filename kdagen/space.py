@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from kdagen.resources import data_dir
-from kdagen.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, VariantError, check_field
+from kdagen.serve.resources import data_dir
+from kdagen.serve.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, VariantError, check_field
 
 SPACE_DIR = data_dir("search_spaces")
 DEFAULT_SPACES = ("commit.yaml", "verify_sm90.yaml", "verify_sm100.yaml")

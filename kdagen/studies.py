@@ -49,8 +49,8 @@ class Stamp:
 
 
 def make_stamp(fingerprint: str, kernels: Sequence[str]) -> Stamp:
-    from kdagen.fingerprint import dsl_version
     from kdagen.render import template_digest
+    from kdagen.serve.fingerprint import dsl_version
 
     return Stamp(fingerprint, dsl_version(), {k: template_digest(k) for k in sorted(set(kernels))})
 

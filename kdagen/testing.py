@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from kdagen.reference import CONV_WIDTH, K, V
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 __all__ = [
     "POISON_BITS",

@@ -37,7 +37,6 @@ from typing import Any
 import optuna
 
 from kdagen import report
-from kdagen.dispatch import generated_root
 from kdagen.evaluate import CandidateEvaluator, Compiler, Ledger, Progress
 from kdagen.finals import PICK_RULE, pick_again, run_finals
 from kdagen.search import (
@@ -49,6 +48,8 @@ from kdagen.search import (
     recorded,
     replay_efficiency,
 )
+from kdagen.serve.dispatch import generated_root
+from kdagen.serve.variant import PATHS, Variant
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads
 from kdagen.studies import (
     Stamp,
@@ -61,7 +62,6 @@ from kdagen.studies import (
     open_storage,
     restart_stale,
 )
-from kdagen.variant import PATHS, Variant
 from kdagen.worker import PoolCompiler, Worker, WorkerFailure
 
 __all__ = ["TuneError", "TuneOptions", "TuneResult", "StudyPlan", "plan_studies", "run"]

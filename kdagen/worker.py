@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kdagen.compile import CompileRecord, compile_named, init_worker
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 START_TIMEOUT_S = 600.0  # importing torch and the DSL, CUDA init, first bandwidth probe
 
@@ -184,7 +184,7 @@ class GpuEvaluator:
 
     Reads ``kdagen.check.check_variant``, ``kdagen.check.gpu_refusal``,
     ``kdagen.bench.time_variant``, ``kdagen.bench.copy_bandwidth``, ``kdagen.bench.floor_us``,
-    the run-time heuristic (``kdagen.runtime.heuristic_variant``) and, when present,
+    the run-time heuristic (``kdagen.serve.runtime.heuristic_variant``) and, when present,
     ``kdagen.bench.peer_times``.
     """
 
@@ -193,8 +193,8 @@ class GpuEvaluator:
 
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU is visible to the tuner's worker")
-        from kdagen.fingerprint import device_info
-        from kdagen.runtime import device_arch
+        from kdagen.serve.fingerprint import device_info
+        from kdagen.serve.runtime import device_arch
 
         self.info = device_info() | {"arch": device_arch(), "simulated": False}
         self._bandwidth: float | None = None
@@ -221,7 +221,7 @@ class GpuEvaluator:
     def default(self, name: str, batch: int) -> str:
         """The run-time heuristic's variant for ``name``'s contract at ``batch``: the untuned
         default a winner must beat (computed here: it reads the GPU's SM count)."""
-        from kdagen import runtime
+        from kdagen.serve import runtime
 
         v = Variant.parse(name)
         return runtime.heuristic_variant(v.kernel, v.contract, batch, self.info["arch"]).name

@@ -8,13 +8,15 @@ import sys
 
 import torch
 
+from kdagen import first_use
 from kdagen.bench import verify_inputs
-from kdagen.runtime import verify
+from kdagen.serve.runtime import verify
+from kdagen.serve.variant import Variant
 from kdagen.testing import verify_args
-from kdagen.variant import Variant
 
 
 def main(name: str, batch: int, launches: int = 4) -> None:
+    first_use.enable()
     variant = Variant.parse(name)
     inputs = verify_inputs(variant, batch)
     args = verify_args(inputs)

@@ -17,8 +17,8 @@ from functools import partial
 import torch
 
 from kdagen import bench, bench_model
-from kdagen.model_commit import ModelCommit
 from kdagen.peers import vllm_commit
+from kdagen.serve.model_commit import ModelCommit
 from kdagen.space import Space
 
 

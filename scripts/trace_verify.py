@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import kdagen.compile as kcompile  # noqa: E402
 import kdagen.render as krender  # noqa: E402
 from kdagen.bench import copy_bandwidth, floor_us, time_graph, verify_launch, verify_sets  # noqa: E402
-from kdagen.variant import Variant  # noqa: E402
+from kdagen.serve.variant import Variant  # noqa: E402
 
 SLOTS = 128  # int64 records per CTA: 12 header fields, then 4 per unit
 HEADER = 12
@@ -1234,7 +1234,7 @@ CONFIGS = {
 
 def use_config(variant: Variant, config: str, records: torch.Tensor, trace: bool) -> None:
     """Build ``variant`` from its render patched by ``config`` (and the trace records)."""
-    from kdagen.runtime import launcher
+    from kdagen.serve.runtime import launcher
 
     def patched(v: Variant) -> str:
         source = ORIGINAL_RENDER(v)

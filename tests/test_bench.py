@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from kdagen import bench as kbench
 from kdagen import peers
 from kdagen.bench import VerifyBenchRow, verify_bytes, verify_footprint
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 ANCHOR_BW = 4.224e12  # the copy bandwidth docs/anchors.md states
 
@@ -436,7 +436,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 def _runnable_verify() -> Variant:
     """A verify variant this GPU runs, from any verify space shipped (skip when none)."""
-    from kdagen.runtime import device_arch
+    from kdagen.serve.runtime import device_arch
     from kdagen.space import SPACE_DIR, Space
 
     arch = device_arch()

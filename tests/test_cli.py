@@ -109,10 +109,10 @@ def test_gpu_commands_refuse_clearly_without_a_gpu(command: str) -> None:
 
 def test_check_refuses_sm100_variants_on_another_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import kdagen.cli
-    import kdagen.runtime
+    import kdagen.serve.runtime
 
     monkeypatch.setattr(kdagen.cli, "_require_gpu", lambda: None)
-    monkeypatch.setattr(kdagen.runtime, "device_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(kdagen.serve.runtime, "device_arch", lambda device=None: "sm_90a")
     result = runner.invoke(app, ["check", "--space", "verify_sm100.yaml", "--match", "h12-q8-i32"])
     assert result.exit_code == 2
     text = _flat(result.output)

@@ -11,8 +11,8 @@ import pytest
 from kdagen import compile as kcompile
 from kdagen.cubin import kernel_resources
 from kdagen.sass import disassemble, find_nvdisasm
+from kdagen.serve.variant import Variant
 from kdagen.space import default_variants
-from kdagen.variant import Variant
 
 VARIANTS = default_variants()
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kdagen import dispatch
-from kdagen.dispatch import (
+from kdagen.render import dsl_version, kernels_digest, template_digest
+from kdagen.serve import dispatch
+from kdagen.serve.dispatch import (
     DispatchFallbackWarning,
     DispatchTable,
     Entry,
@@ -19,9 +20,8 @@ from kdagen.dispatch import (
     load_table,
     write_table,
 )
-from kdagen.fingerprint import fingerprint_of, slug
-from kdagen.render import dsl_version, kernels_digest, template_digest
-from kdagen.variant import Variant
+from kdagen.serve.fingerprint import fingerprint_of, slug
+from kdagen.serve.variant import Variant
 
 GPU = "nvidia-h200-sm90-132sm"
 R4 = {"path": "bulk", "threads": 128, "vec": 4, "row_split": 4, "pdl": True}

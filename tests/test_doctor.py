@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kdagen import dispatch
 from kdagen.cli import app
-from kdagen.resources import data_dir
+from kdagen.serve import dispatch
+from kdagen.serve.resources import data_dir
 
 H200 = "nvidia-h200-sm90-132sm"
 H100 = "nvidia-h100-80gb-hbm3-sm90-132sm"

@@ -1,6 +1,7 @@
-"""``kdagen emit``: the package it writes from the committed H200 table serves every batch of
-its keys from prebuilt kernels, imports without kdagen or the tuning stack, and (GPU) gives
-the bits ``kdagen.verify`` and ``kdagen.commit`` give."""
+"""``kdagen emit``: the package it writes from the committed H200 table is kdagen/serve as it
+is plus its kernels, serves every batch of its keys from those prebuilt kernels, imports
+without kdagen or the tuning stack, and (GPU) gives the bits ``kdagen.verify`` and
+``kdagen.commit`` give."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdagen.dispatch import (
+from kdagen.emit import SERVE, EmitError, emit
+from kdagen.serve.dispatch import (
     TABLE_FILE,
     DispatchFallbackWarning,
     StaleTableError,
     load_table,
 )
-from kdagen.emit import EmitError, emit
-from kdagen.resources import data_dir
-from kdagen.variant import VariantError
+from kdagen.serve.resources import data_dir
+from kdagen.serve.variant import VariantError
 
 TABLE = data_dir("generated") / "nvidia-h200-sm90-132sm"
 KEYS = ["verify-h12-q4-i32", "commit-h12-q4-i32"]
@@ -59,6 +60,14 @@ def run_isolated(package: Path, body: str) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+def test_the_package_is_kdagen_serve_as_it_is(package: Path) -> None:
+    serve = sorted(p.name for p in SERVE.glob("*.py"))
+    assert sorted(p.name for p in package.glob("*.py")) == serve
+    assert all((package / name).read_bytes() == (SERVE / name).read_bytes() for name in serve)
+    readme = (package / "README.md").read_text()
+    assert "nvidia-h200-sm90-132sm (sm_90a)" in readme and "    verify-h12-q4-i32\n" in readme
+
+
 def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> None:
     manifest = json.loads((package / "kernels" / "manifest.json").read_text())
     assert manifest["keys"] == KEYS and manifest["arch"] == "sm_90a"
@@ -68,7 +77,7 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
         import json, warnings
         import torch
         import kda_test_kernels as pkg
-        from kda_test_kernels import bundle, dispatch, runtime
+        from kda_test_kernels import bundle, dispatch, kernel_source, runtime
         from kda_test_kernels.variant import Variant
 
         table_dir = dispatch.generated_root() / "nvidia-h200-sm90-132sm"
@@ -96,6 +105,7 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
         objects = [bundle.held(name, "sm_90a")[0] for name in bundle.manifest()["kernels"]]
         result = {
             "active": bundle.active(),
+            "prebuilt": kernel_source.current() is bundle.PREBUILT,
             "objects": [path.stat().st_size for path in objects],
             "root": str(dispatch.generated_root()),
             "chosen": chosen,
@@ -107,7 +117,8 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
         }
         """,
     )
-    assert result["active"] and result["root"] == str(package / "generated")
+    assert result["active"] and result["prebuilt"]
+    assert result["root"] == str(package / "generated")
     assert len(result["objects"]) == len(manifest["kernels"]) and min(result["objects"]) > 0
     missing = {k: v for k, v in result["chosen"].items() if v not in manifest["kernels"]}
     assert not missing, f"the run-time would pick kernels the package does not hold: {missing}"
@@ -166,7 +177,7 @@ def test_emit_does_not_replace_a_folder_it_did_not_write(tmp_path: Path) -> None
 def test_the_package_gives_kdagens_bits(package: Path, tmp_path: Path) -> None:
     """verify then commit through the package (in a process without kdagen) and through
     kdagen, on the same inputs: out, corr, kg and the committed state bit-identical."""
-    from kdagen.runtime import commit, verify
+    from kdagen.serve.runtime import commit, verify
     from kdagen.testing import bits, clone_inputs, commit_args, make_verify_inputs, verify_args
 
     inputs = make_verify_inputs(20, 12, 4, device="cuda", seed=7)

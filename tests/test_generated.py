@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kdagen.dispatch import check_fresh, load_table
+from kdagen.serve.dispatch import check_fresh, load_table
 from kdagen.space import Space
 from kdagen.tune import plan_studies, space_points
 

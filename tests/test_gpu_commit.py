@@ -10,8 +10,8 @@ import torch
 from kdagen import reference
 from kdagen.cases import CHECK_CASES, make_commit_inputs, pool_of
 from kdagen.check import check_commit
+from kdagen.serve.variant import Variant
 from kdagen.space import Space
-from kdagen.variant import Variant
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,7 +42,7 @@ def test_commit_variant_matches_reference(name: str) -> None:
 
 
 def test_commit_graph_replay_equals_eager() -> None:
-    from kdagen.runtime import commit
+    from kdagen.serve.runtime import commit
 
     variant = Variant(kernel="commit", heads=12, window=4, row_split=2)
     inputs = make_commit_inputs(CHECK_CASES[2], 12, 4, seed=SEED)
@@ -83,7 +83,7 @@ def _spec_decode_step_inputs(step: int, batch: int, heads: int, window: int) -> 
 def test_spec_decode_loop_reference_verify_kernel_commit(conv_dim_first: bool) -> None:
     """20 steps of verify (reference, fp32) -> accept -> commit (kernel) on a bf16 pool track
     the same loop run entirely in fp64, and the bf16 loop with the reference commit."""
-    from kdagen.runtime import commit
+    from kdagen.serve.runtime import commit
 
     batch, heads, window, steps = 6, 12, 4, 20
     g = torch.Generator().manual_seed(SEED)

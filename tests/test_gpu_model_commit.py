@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kdagen import reference
-from kdagen.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
+from kdagen.serve.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
 
 pytestmark = [
     pytest.mark.gpu,

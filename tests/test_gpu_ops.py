@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from kdagen import ops
-from kdagen.model_commit import ModelCommit
+from kdagen.serve import ops
+from kdagen.serve.model_commit import ModelCommit
 from kdagen.testing import make_verify_inputs
 
 pytestmark = [

@@ -10,10 +10,10 @@ import torch
 
 from kdagen import reference
 from kdagen.check_verify import VerifyCase, check_verify, run_verify_case
-from kdagen.runtime import commit, verify
+from kdagen.serve.runtime import commit, verify
+from kdagen.serve.variant import Variant
+from kdagen.serve.vllm import kda_recoverssm_verify
 from kdagen.testing import bits, clone_inputs, make_verify_inputs, poison_, verify_args
-from kdagen.variant import Variant
-from kdagen.vllm import kda_recoverssm_verify
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,7 +75,7 @@ def test_the_steepest_allowed_decay_keeps_the_check_bounds() -> None:
     flushing; out and corr must still meet the check's bounds against the fp64 reference."""
     from kdagen.check_verify import MAX_RMS, REL_L2
     from kdagen.emulate import relative_errors
-    from kdagen.runtime import MAX_LOG_DECAY
+    from kdagen.serve.runtime import MAX_LOG_DECAY
     from kdagen.testing import verify_write_masks
 
     window, batch = 8, 6
@@ -100,7 +100,7 @@ def test_the_steepest_allowed_decay_keeps_the_check_bounds() -> None:
 @pytest.mark.parametrize("conv", [False, True])
 def test_default_dispatch_passes_the_check(conv: bool) -> None:
     """variant=None: the built-in heuristic's choice for this GPU, through the full check."""
-    from kdagen.runtime import default_verify_variant
+    from kdagen.serve.runtime import default_verify_variant
 
     variant = default_verify_variant(H, Q, "int32", 48, conv=conv)
     result = run_verify_case(variant, VerifyCase("random", 48), SEED)
@@ -120,9 +120,9 @@ def test_run_time_uses_the_committed_table(kernel: str, contract: dict, batch: i
     and bucket of generated/<gpu>/dispatch.json), with no fallback warning."""
     import warnings
 
-    from kdagen import dispatch
-    from kdagen.fingerprint import gpu_fingerprint
-    from kdagen.runtime import _dispatched, device_arch
+    from kdagen.serve import dispatch
+    from kdagen.serve.fingerprint import gpu_fingerprint
+    from kdagen.serve.runtime import _dispatched, device_arch
 
     folder = dispatch.generated_root() / gpu_fingerprint(torch.device("cuda"))
     table = dispatch.load_table(folder)

@@ -41,7 +41,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     run(python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel, cwd=tmp, env=env)
     work = tmp / "elsewhere"
     work.mkdir()
-    where = run(python, "-c", "import kdagen.resources as r; print(r.data_dir('templates'))",
+    where = run(python, "-c", "import kdagen.serve.resources as r; print(r.data_dir('templates'))",
                 cwd=work, env=env)  # fmt: skip
     assert str(venv) in where and ROOT.as_posix() not in where
     return venv / "bin" / "kdagen", work, env

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kdagen.model_commit import ModelCommit
-from kdagen.validate import KdaInputError
-from kdagen.vllm import KDARecoverSSMCommitContext
+from kdagen.serve.model_commit import ModelCommit
+from kdagen.serve.validate import KdaInputError
+from kdagen.serve.vllm import KDARecoverSSMCommitContext
 
 K, H, Q, SLOTS, LAYERS = 128, 2, 4, 6, 3
 
@@ -148,7 +148,7 @@ def vllm_layers(bounds: list | None = None) -> list[SimpleNamespace]:
 
 
 def test_commit_context_refuses_what_it_cannot_serve(monkeypatch) -> None:
-    monkeypatch.setattr("kdagen.model_commit.check_state",
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
                         lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
     with pytest.raises(KdaInputError, match="the same `gate_lower_bound`"):
         KDARecoverSSMCommitContext.create(vllm_layers(bounds=[-5.0, -5.0, -4.0]),

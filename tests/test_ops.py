@@ -1,4 +1,4 @@
-"""The torch custom ops (kdagen/ops.py) without a GPU: their schemas declare exactly the
+"""The torch custom ops (kdagen/serve/ops.py) without a GPU: their schemas declare exactly the
 tensors each kernel writes, their fake implementations trace under fake CUDA tensors, and
 ``commit_layers`` refuses a handle that is not its model's. tests/test_gpu_ops.py runs them."""
 
@@ -9,8 +9,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kdagen import ops
-from kdagen.validate import KdaInputError
+from kdagen.serve import ops
+from kdagen.serve.validate import KdaInputError
 
 H, Q, T, SLOTS, B = 2, 4, 8, 5, 2
 
@@ -63,6 +63,6 @@ def test_the_step_traces_on_fake_cuda_tensors() -> None:
 def test_commit_layers_refuses_a_foreign_handle() -> None:
     state = torch.zeros(SLOTS, H, 128, 128, dtype=torch.bfloat16)
     slots = torch.zeros(B, dtype=torch.int32)
-    with pytest.raises(KdaInputError, match="a handle kdagen.ops.register gave"):
+    with pytest.raises(KdaInputError, match="a handle kdagen.serve.ops.register gave"):
         torch.ops.kdagen.commit_layers(12345, [state], [], slots, slots, None, None, None, None, 0)
     assert ops._MODELS.get(12345) is None

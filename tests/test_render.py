@@ -9,8 +9,8 @@ import jinja2
 import pytest
 
 from kdagen.render import environment, render, template_digest
+from kdagen.serve.variant import Variant
 from kdagen.space import default_variants
-from kdagen.variant import Variant
 
 VARIANTS = default_variants()
 

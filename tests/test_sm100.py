@@ -12,8 +12,8 @@ from kdagen import compile as kcompile
 from kdagen.check import gpu_refusal
 from kdagen.dsl.sm100 import INSTR_DESC, K
 from kdagen.sass import disassemble, find_nvdisasm
+from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import Space
-from kdagen.variant import Variant, VariantError
 
 SM100 = Space.load("verify_sm100.yaml").expand().variants
 SM_SHARED = 233472  # bytes of shared memory per SM

@@ -11,8 +11,8 @@ import pytest
 
 from kdagen import compile as kcompile
 from kdagen.render import render
+from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import Space
-from kdagen.variant import Variant, VariantError
 
 SM90 = Space.load("verify_sm90.yaml").expand().variants
 SM_SHARED = 232448  # bytes of shared memory per H100/H200 SM usable by CTAs

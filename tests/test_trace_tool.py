@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from kdagen.variant import Variant
+from kdagen.serve.variant import Variant
 
 TOOL = Path(__file__).resolve().parents[1] / "scripts" / "trace_verify.py"
 CONV_OFF = "verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl"

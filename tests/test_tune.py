@@ -13,7 +13,6 @@ import torch
 from optuna.trial import TrialState
 from typer.testing import CliRunner
 
-from kdagen import dispatch
 from kdagen import render as krender
 from kdagen.check import CaseResult
 from kdagen.cli import app
@@ -28,6 +27,8 @@ from kdagen.search import (
     recorded,
     replay_efficiency,
 )
+from kdagen.serve import dispatch
+from kdagen.serve.variant import Variant
 from kdagen.space import Space
 from kdagen.studies import (
     Stamp,
@@ -38,7 +39,6 @@ from kdagen.studies import (
     restart_stale,
 )
 from kdagen.tune import TuneOptions, plan_studies, run
-from kdagen.variant import Variant
 from kdagen.worker import PoolCompiler, Worker, WorkerFailure, describe_check
 
 KEY = "commit-h12-q1-i32"
@@ -476,7 +476,7 @@ def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tune_on_the_gpu(tmp_path: Path, workloads: Path) -> None:
     """A real, small tune: compile pool, GPU worker, check, cold-L2 timing, finals."""
-    from kdagen.fingerprint import gpu_fingerprint
+    from kdagen.serve.fingerprint import gpu_fingerprint
 
     opts = TuneOptions(spaces=("commit.yaml",), workloads=workloads, match=KEY, trials=3,
                        rounds=2, out=tmp_path, jobs=4)  # fmt: skip

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kdagen.cases import CHECK_CASES, make_commit_inputs
-from kdagen.runtime import validate_commit
-from kdagen.validate import KdaInputError
+from kdagen.serve.runtime import validate_commit
+from kdagen.serve.validate import KdaInputError
 
 
 def _inputs(**changes: object) -> dict[str, object]:

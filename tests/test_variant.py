@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kdagen.render import digest, render
-from kdagen.variant import Variant, VariantError
+from kdagen.serve.variant import Variant, VariantError
 
 BASE = dict(kernel="commit", heads=12, window=8)
 

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from kdagen.runtime import validate_verify
+from kdagen.serve.runtime import validate_verify
+from kdagen.serve.validate import KdaInputError
+from kdagen.serve.variant import Variant
+from kdagen.serve.vllm import kda_recoverssm_verify
 from kdagen.testing import make_verify_inputs
-from kdagen.validate import KdaInputError
-from kdagen.variant import Variant
-from kdagen.vllm import kda_recoverssm_verify
 
 H, Q = 2, 4
 VARIANT = Variant(kernel="verify", heads=H, window=Q, path="sm90_wgmma", ctas=396)

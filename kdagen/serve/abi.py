@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kdagen.variant import Variant
+from .variant import Variant
 
 
 @dataclass(frozen=True)

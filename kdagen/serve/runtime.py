@@ -1,23 +1,24 @@
 """Run-time API: validate torch tensors, pick a variant, launch on the current stream.
 
 Launches allocate nothing on the device and never synchronise, so they can be captured in
-CUDA graphs. The first launch of a variant in a process loads its exported object from the
-compile cache, or compiles it (seconds) and exports it for the next process; in a package
-written by ``kdagen emit`` it loads the package's prebuilt object (``kdagen.bundle``).
+CUDA graphs. The first launch of a variant in a process gets its kernel from the kernel
+source (``kernel_source``): in a package written by ``kdagen emit`` its prebuilt object; in
+kdagen the compile cache's exported object, or a compile (seconds) exported for the next
+process (``kdagen.first_use``).
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kdagen.validate import KdaInputError, check_scalar, check_state, check_tensor
-from kdagen.variant import Variant
+from . import kernel_source
+from .validate import KdaInputError, check_scalar, check_state, check_tensor
+from .variant import Variant
 
 # verify's bound on |Q x lower_bound|. The window's log decay G_t reaches Q x lower_bound when
 # every gate saturates; the kernels scale the probes by exp(G) and the w rows by exp(-G), so
@@ -53,42 +54,13 @@ def device_arch(device: torch.device | None = None) -> str:
 
 @functools.cache
 def launcher(variant: Variant, arch: str) -> Any:
-    """The compiled kernel for ``arch``: in a package written by ``kdagen emit``, its prebuilt
-    object; else the compile cache's exported object, else compiled now."""
-    from kdagen import bundle
-
+    """The launchable kernel of ``variant`` for ``arch``, from the current kernel source:
+    an emitted package's prebuilt object, else the build side's (``kernel_source``)."""
     if arch not in variant.spec.archs:
         raise KdaInputError(
             f"variant {variant.name} targets {list(variant.spec.archs)}, not this GPU's {arch}"
         )
-    if bundle.active():
-        return bundle.load(variant.name, arch)
-    from kdagen import compile as kcompile
-
-    out_dir = kcompile.variant_dir(variant) / arch
-    obj = out_dir / "kernel.o"
-    if obj.exists():
-        try:
-            import cutlass.cute as cute
-
-            module = cute.runtime.load_module(str(obj))
-            return getattr(module, kcompile.export_symbol(variant))
-        except Exception as err:  # a stale or foreign object: compile instead
-            warnings.warn(f"kdagen: could not load {obj} ({err}); compiling", stacklevel=2)
-    import cutlass.cute as cute
-
-    from kdagen.abi import placeholder_args
-
-    compiled = cute.compile(
-        kcompile.kernel_object(variant), *placeholder_args(variant),
-        options=kcompile.compile_options(arch),
-    )  # fmt: skip
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        compiled.export_to_c(str(out_dir), "kernel", kcompile.export_symbol(variant))
-    except Exception as err:  # the in-process function still works
-        warnings.warn(f"kdagen: could not export {variant.name}: {err}", stacklevel=2)
-    return compiled
+    return kernel_source.current().load(variant, arch)
 
 
 def default_commit_variant(
@@ -221,9 +193,9 @@ _COMMIT_TENSORS = (
 
 def launch_commit(variant: Variant, **values: Any) -> None:
     """Launch the commit kernel on the current stream; ``values`` maps its parameters
-    (``kdagen.abi.commit_params``) to tensors and numbers; the plan parameters a caller
+    (``abi.commit_params``) to tensors and numbers; the plan parameters a caller
     leaves out take ``_COMMIT_DEFAULTS`` and absent tensors are never read."""
-    from kdagen.abi import launch_args
+    from .abi import launch_args
 
     state = values["state"]
     values = _COMMIT_DEFAULTS | values
@@ -248,7 +220,7 @@ def _dispatched(
 ) -> Variant:
     """The GPU's dispatch table choice (generated/<gpu>/), else the built-in heuristic;
     ``fields``: the other contract fields (gate, conv settings)."""
-    from kdagen import dispatch
+    from . import dispatch
 
     contract = {"heads": heads, "window": window, "slot_dtype": slot_dtype, **fields}
     return dispatch.choose(
@@ -587,7 +559,7 @@ def launch_verify(
     else:
         check_tensor("kdagen.verify", "counter", counter, dims=[1], dtypes=[torch.int32],
                      device=device)  # fmt: skip
-    from kdagen.abi import launch_args
+    from .abi import launch_args
 
     fn = launcher(launch.variant, device_arch(device))
     q, k, v = launch.qkv

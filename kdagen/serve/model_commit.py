@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kdagen.runtime import _resolve_variant, gate_of, kernel_lower_bound, launch_commit
-from kdagen.validate import KdaInputError, check_scalar, check_state, check_tensor
-from kdagen.variant import Variant
+from .runtime import _resolve_variant, gate_of, kernel_lower_bound, launch_commit
+from .validate import KdaInputError, check_scalar, check_state, check_tensor
+from .variant import Variant
 
 K = 128
 HISTORY = 3  # conv rows a width-4 convolution keeps between windows

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kdagen.validate import KdaInputError
+from .validate import KdaInputError
 
 _MODELS: dict[int, Any] = {}  # handle -> ModelCommit
 
@@ -64,7 +64,7 @@ def _verify(
     null_slot: int,
     conv_dim_first: bool,
 ) -> None:
-    from kdagen.runtime import verify
+    from .runtime import verify
 
     verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg,
            lower_bound=lower_bound, null_slot=int(null_slot), conv_state=conv_state,
@@ -82,7 +82,7 @@ def _commit(
     lower_bound: float | None,
     null_slot: int,
 ) -> None:
-    from kdagen.runtime import commit
+    from .runtime import commit
 
     commit(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound=lower_bound,
            null_slot=int(null_slot))  # fmt: skip
@@ -103,7 +103,7 @@ def _commit_layers(
     found = _MODELS.get(int(model))
     if found is None:
         raise KdaInputError(
-            "kdagen::commit_layers: `model` must be a handle kdagen.ops.register gave"
+            "kdagen::commit_layers: `model` must be a handle kdagen.serve.ops.register gave"
         )
     if _addresses(states) + _addresses(conv_states) != _addresses(found.states) + _addresses(
         found.conv_states

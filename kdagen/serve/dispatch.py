@@ -5,10 +5,11 @@ run-time API through ``choose``. JSON rather than YAML so a deployed package nee
 parser. The table records the fingerprint, the nvidia-cutlass-dsl version, the template hash
 of each kernel, the variants its studies measured with a hash of their content digests
 (rendered source, device helpers, DSL version: ``kdagen.render.digest``), and its search
-space. A table whose DSL version differs from the running code, or whose measured variants
-now render differently, is refused (``StaleTableError``), never used: its winners were
-measured on other kernels. A template edit that renders them
-identically keeps it. (A table without render hashes is judged on its template hash.)
+space. A table the kernel source (``kernel_source.current()``) finds stale is refused
+(``StaleTableError``), never used: its winners were measured on other kernels. kdagen's
+compile-on-first-use source judges it on the measured variants' renders (a template edit
+that renders them identically keeps it; a table without render hashes on its template hash)
+and the DSL version; an emitted package's prebuilt kernels on the DSL version alone.
 
 Lookup for (kernel, contract, batch): the exact key and bucket, else the nearest bucket of
 that key (log distance), else the per-GPU default of the kernel (the config that won the most
@@ -32,8 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdagen.resources import data_dir
-from kdagen.variant import Variant, VariantError
+from . import bundle, kernel_source
+from .resources import data_dir
+from .variant import Variant, VariantError
 
 TABLE_FILE = "dispatch.json"
 FORMAT = 1
@@ -184,35 +186,19 @@ def load_table(folder: Path) -> DispatchTable | None:
     return DispatchTable.from_json(path.read_text(), str(path))
 
 
-def check_fresh(table: DispatchTable, kernel: str, source: str) -> None:
-    """Raise ``StaleTableError`` naming what changed when ``table`` no longer matches the code."""
-    from kdagen import bundle
-    from kdagen.fingerprint import dsl_version
-
-    if bundle.active():
-        # An emitted package's kernels were compiled from this table's templates (emit refuses
-        # a stale table); what can still change is the DSL that loads their objects.
-        why = table.staleness(kernel, dsl_version(), table.template_hashes.get(kernel, ""))
-        if why:
-            raise StaleTableError(
-                f"refusing the emitted package's table {source} for kernel {kernel!r}: {why}. "
-                f"Install nvidia-cutlass-dsl=={table.dsl_version} or re-run `kdagen emit`."
-            )
-        return
-    from kdagen.render import kernels_digest, template_digest
-
-    render_hash = None
-    if table.render_hashes.get(kernel) and table.measured.get(kernel):
-        try:
-            render_hash = kernels_digest(table.measured[kernel])
-        except VariantError as err:  # a measured variant no longer exists
-            render_hash = f"none ({err})"
-    why = table.staleness(kernel, dsl_version(), template_digest(kernel), render_hash)
+def check_fresh(
+    table: DispatchTable,
+    kernel: str,
+    where: str,
+    source: kernel_source.KernelSource | None = None,
+) -> None:
+    """Raise ``StaleTableError`` naming what changed when ``table`` may not choose among
+    ``kernel``'s variants from ``source`` (default: where launches get kernels now,
+    ``kernel_source.current()``)."""
+    why = (source or kernel_source.current()).stale(table, kernel)
     if why:
         raise StaleTableError(
-            f"kdagen: refusing the dispatch table {source} for kernel {kernel!r}: {why}. "
-            "Its winners were measured on other kernels. Re-run `kdagen tune` on this GPU, "
-            "or set KDAGEN_DISPATCH=off to use the built-in heuristic."
+            f"kdagen: refusing the dispatch table {where} for kernel {kernel!r}: {why}."
         )
 
 
@@ -220,8 +206,6 @@ def generated_root() -> Path:
     """Where tables live: an emitted package's own ``generated/``; else
     ``$KDAGEN_GENERATED``, else the shipped tables (``generated/`` of the checkout, or of the
     installed package)."""
-    from kdagen import bundle
-
     if bundle.active():
         return bundle.table_root()
     return Path(os.environ.get("KDAGEN_GENERATED", data_dir("generated")))
@@ -389,7 +373,7 @@ def _table_folder(device: Any) -> Path | None:
     fingerprint = os.environ.get("KDAGEN_FINGERPRINT") or _fingerprints.get(device)
     if not fingerprint:
         try:
-            from kdagen.fingerprint import gpu_fingerprint
+            from .fingerprint import gpu_fingerprint
 
             fingerprint = gpu_fingerprint(device)
         except (AssertionError, RuntimeError, ImportError):  # no CUDA: torch raises these

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from kdagen.model_commit import ModelCommit
-from kdagen.runtime import launch_verify, validate_verify
-from kdagen.validate import KdaInputError, check_scalar
+from .model_commit import ModelCommit
+from .runtime import launch_verify, validate_verify
+from .validate import KdaInputError, check_scalar
 
-OP = "kdagen.vllm.kda_recoverssm_verify"
-COMMIT_OP = "kdagen.vllm.KDARecoverSSMCommitContext"
+OP = "kdagen.serve.vllm.kda_recoverssm_verify"
+COMMIT_OP = "kdagen.serve.vllm.KDARecoverSSMCommitContext"
 NULL_BLOCK_ID = 0  # vLLM's padding block
 
 

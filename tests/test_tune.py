@@ -456,7 +456,7 @@ def test_a_template_edit_measures_again_only_the_studies_it_changes(
     assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
                            krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
     space = table.space["commit"]  # the whole space the lookup stays in, not only what ran
-    assert {v.name for v in candidates()} == set(space[KEY]) and len(space) == 24
+    assert {v.name for v in candidates()} == set(space[KEY]) and len(space) == (3 + 4) * 4 * 2
 
 
 def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -> None:

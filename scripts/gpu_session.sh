@@ -5,9 +5,11 @@
 # STEPS (default "compile check pytest bench"): any of compile, check, check_commit, pytest,
 # bench, bench_commit, tune (the shipped workloads, resuming from generated/ into OUTDIR/gen,
 # then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/),
-# bench_model (the all-layer commit and decode step of a 69-layer model). Every step logs to
+# bench_model (the all-layer commit and decode step of a 69-layer model), bench_gate (the
+# softplus gate's verify against its bounded twin, Kimi-Linear's shapes). Every step logs to
 # OUTDIR; a short summary is printed last.
-# Env: COMPILE_SPACES (default: every shipped space), PYTEST_FILES (default: tests),
+# Env: COMPILE_SPACES (default: every shipped space), COMPILE_MATCH (only variants whose name
+# contains it), PYTEST_FILES (default: tests),
 # CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it), BENCHES (subset of
 # "h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv"), TUNE_ARGS (extra kdagen tune options).
 set -u
@@ -39,7 +41,7 @@ for key in ("out_rel_l2", "out_max_rel", "corr_rel_l2", "corr_max_rms"):
 PY
 }
 has() { [[ " $steps " == *" $1 "* ]]; }
-has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_SPACES:-}
+has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_MATCH:+--match "$COMPILE_MATCH"} ${COMPILE_SPACES:-}
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
 has pytest && TAIL=8 step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
@@ -52,6 +54,13 @@ if has bench; then
   bench_verify h96_q8 8 --heads 96 --window 8 --batches 1,8,64,256
   bench_verify h12_q2 7 --heads 12 --window 2 --batches 1,16,256
   bench_verify h12_q8_conv 9 --heads 12 --window 8 --conv --batches 1,16,64,256,512
+fi
+if has bench_gate; then  # one tuning point, both gates side by side on the same inputs
+  for shape in "32 8" "32 4" "16 8" "8 2" "4 1"; do set -- $shape
+    TAIL=12 step "bench_gate_h$1_q$2" kdagen bench --space verify_sm90.yaml --gate both --heads "$1" --window "$2" \
+      --match t128-r1-c396-s1 --batches 1,16,64,256,512 --no-peers --out "$out/bench_gate_h$1_q$2.json"; done
+  TAIL=12 step bench_gate_h32_q8_conv kdagen bench --space verify_sm90.yaml --gate both --heads 32 --window 8 --conv \
+    --match t128-r1-c396-s1 --batches 1,16,64,256,512 --no-peers --out "$out/bench_gate_h32_q8_conv.json"
 fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"

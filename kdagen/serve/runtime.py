@@ -281,7 +281,8 @@ def _resolve_variant(
 # ---- verify ----
 
 # H200 sweep (docs/perf-notes.md): four 54 KiB CTAs fit an SM; fused conv needs 152
-# registers per thread, so three.
+# registers per thread, so three, and so does the softplus gate beyond Q = 4 (its coupling
+# tile takes the shared memory of a fourth).
 _SM90_RESIDENT = {False: 4, True: 3}
 
 
@@ -310,9 +311,8 @@ def default_verify_variant(
         return Variant(**contract, path="sm100_tcgen05", ctas=740)
     sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     split = 2 if not conv and batch * heads < 2 * sms else 1
-    return Variant(
-        **contract, path="sm90_wgmma", row_split=split, ctas=_SM90_RESIDENT[conv] * sms, stages=1
-    )
+    resident = _SM90_RESIDENT[conv or (gate == "softplus" and window > 4)]
+    return Variant(**contract, path="sm90_wgmma", row_split=split, ctas=resident * sms, stages=1)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,68 @@
+"""A pairwise covering of a variant list: few variants that still reach every template branch.
+
+A template's branches depend on one field (conv, the slot dtype, PDL) or on the interaction
+of two (conv x layout, threads x window, row_split x stages, the tap dtype x window in the
+register budget). Compiling a subset in which every pair of values that occurs among a
+(kernel, path) group's variants occurs at least once therefore compiles every branch and every
+two-field interaction, at a size that grows with the product of the two largest value lists
+instead of the product of all. CI compiles this subset; ``kdagen check`` on the GPU host
+compiles and checks every variant.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from kdagen.serve.variant import CONTRACT_FIELDS, Variant
+
+Value = tuple[str, Any]  # (field, value)
+Pair = tuple[Value, Value]
+
+
+def template_fields(variant: Variant) -> tuple[str, ...]:
+    """The fields its path's template reads: the contract and the path's tuning fields."""
+    return CONTRACT_FIELDS + variant.spec.tuning
+
+
+def value_pairs(variant: Variant) -> frozenset[Pair]:
+    """Every pair of (field, value) of the template's fields, in field order."""
+    values = [(name, getattr(variant, name)) for name in template_fields(variant)]
+    return frozenset(itertools.combinations(values, 2))
+
+
+def pairwise_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()) -> list[Variant]:
+    """``required`` plus a greedy pick from ``variants`` that covers, per (kernel, path), every
+    value pair occurring among the group's variants; sorted by name.
+
+    Greedy: repeatedly the variant covering the most uncovered pairs, the first by name on a
+    tie, so the result depends only on the set of variants, not on their order.
+    """
+    picked = set(required)
+    groups: dict[tuple[str, str], list[Variant]] = defaultdict(list)
+    for v in sorted(set(variants) | picked, key=_order):
+        groups[(v.kernel, v.path)].append(v)
+    for group in groups.values():
+        picked.update(_greedy(group, picked))
+    return sorted(picked, key=_order)
+
+
+def _greedy(group: list[Variant], picked: set[Variant]) -> list[Variant]:
+    """Variants of ``group`` (in ``_order``) that cover the pairs ``picked`` leaves uncovered."""
+    pairs = {v: value_pairs(v) for v in group}
+    uncovered = set().union(*pairs.values())
+    for v in picked & pairs.keys():
+        uncovered -= pairs[v]
+    chosen: list[Variant] = []
+    while uncovered:
+        best = max(group, key=lambda v: len(pairs[v] & uncovered))  # max keeps the first
+        chosen.append(best)
+        uncovered -= pairs[best]
+    return chosen
+
+
+def _order(variant: Variant) -> tuple[str, str]:
+    """By name; the repr (every field) decides between variants that share a name."""
+    return variant.name, repr(variant)

@@ -15,8 +15,8 @@ import pytest
 from kdagen import compile as kcompile
 from kdagen import first_use
 from kdagen.coverage import pairwise_cover
-from kdagen.space import default_variants
 from kdagen.serve.variant import Variant
+from kdagen.space import default_variants
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,10 +11,10 @@ from dataclasses import fields
 
 import pytest
 
-from kdagen.serve import variant as variant_module
 from kdagen.coverage import pairwise_cover
-from kdagen.space import default_variants
+from kdagen.serve import variant as variant_module
 from kdagen.serve.variant import CONTRACT_FIELDS, Variant
+from kdagen.space import default_variants
 
 SHIPPED = default_variants()
 

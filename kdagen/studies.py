@@ -98,12 +98,6 @@ def foreign(attrs: dict[str, Any], stamp: Stamp) -> str | None:
     return None
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.RDBStorage(url)
-
-
 def fresh_studies(storage: optuna.storages.BaseStorage, stamp: Stamp) -> list[optuna.Study]:
     """Studies of this storage measured on this GPU with the kernels this run builds."""
     out = []

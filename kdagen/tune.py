@@ -50,6 +50,7 @@ from kdagen.search import (
     replay_efficiency,
 )
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads
+from kdagen.storage import describe, open_storage
 from kdagen.studies import (
     Stamp,
     TuneError,
@@ -58,7 +59,6 @@ from kdagen.studies import (
     folder_lock,
     fresh_studies,
     make_stamp,
-    open_storage,
     restart_stale,
 )
 from kdagen.variant import PATHS, Variant
@@ -231,7 +231,7 @@ def _run(
     echo(
         f"tuning {len(plans)} contract keys, {sum(len(p.batches) for p in plans)} studies on "
         f"{device['fingerprint']}{' (SIMULATED)' if device.get('simulated') else ''}; "
-        f"storage {storage_url}"
+        f"storage {describe(storage_url)}"
     )
     with folder_lock(folder):
         storage = open_storage(storage_url)
@@ -398,5 +398,6 @@ def _efficiency(
 
 
 def _jsonable(options: TuneOptions) -> dict[str, Any]:
-    """The options as JSON (the run log in the output folder)."""
-    return json.loads(json.dumps(vars(options), default=str))
+    """The options as JSON (the run log in the output folder), without a storage password."""
+    fields = vars(options) | {"storage": options.storage and describe(options.storage)}
+    return json.loads(json.dumps(fields, default=str))

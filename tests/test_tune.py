@@ -29,12 +29,12 @@ from kdagen.search import (
     replay_efficiency,
 )
 from kdagen.space import Space
+from kdagen.storage import open_storage
 from kdagen.studies import (
     Stamp,
     TuneError,
     candidate_attrs,
     fresh_studies,
-    open_storage,
     restart_stale,
 )
 from kdagen.tune import TuneOptions, plan_studies, run

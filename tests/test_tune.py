@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from kdagen import dispatch
 from kdagen import render as krender
 from kdagen.check import CaseResult
+from kdagen.claims import is_claim
 from kdagen.cli import app
 from kdagen.compile import variant_dir
 from kdagen.finals import PICK_RULE, pick_again, pick_winner
@@ -83,7 +84,7 @@ def options(tmp_path: Path, workloads: Path, **changes: object) -> TuneOptions:
 def studies_of(folder: Path) -> dict[str, optuna.Study]:
     storage = f"sqlite:///{folder / 'studies.db'}"
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
-    return {n: optuna.load_study(study_name=n, storage=storage) for n in names}
+    return {n: optuna.load_study(study_name=n, storage=storage) for n in names if not is_claim(n)}
 
 
 def scored_names(study: optuna.Study) -> list[str]:

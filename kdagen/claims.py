@@ -11,7 +11,9 @@ only while it holds S's newest epoch.
 The holder writes who it is (host, pid namespace, pid, a random token) and beats: it counts up
 the claim's ``beat`` attribute every ``stale_s / 6`` seconds. Another process judges a claim
 stale when its beat has not moved for ``stale_s`` seconds of its own clock (no two hosts'
-clocks are compared), or at once when the holder ran on this host and its pid is gone. A
+clocks are compared; the longer of its own and the holder's ``stale_s``, so that a process
+with a short timeout never takes a live claim of one that beats slowly), or at once when the
+holder ran on this host and its pid is gone. A
 released claim (``released``: done, and for which goal) or a stale one is taken by creating the
 next epoch; the taker then checks that no newer epoch exists (a slow reader may re-create an
 epoch that was deleted: the check backs it off) and deletes the older epochs.
@@ -142,6 +144,8 @@ class Claims:
     def scan(self) -> dict[str, ClaimView]:
         """Each claimed study's newest claim. Notes when each beat was first seen (staleness)
         and marks the claims of this process that another one has taken over."""
+        with self._lock:  # judged below: only claims held before the storage is read
+            held = dict(self.held)
         epochs: dict[str, list[tuple[int, optuna.study.FrozenStudy]]] = {}
         for frozen in self.storage.get_all_studies():
             if parsed := _parse(frozen.study_name):
@@ -160,7 +164,7 @@ class Claims:
                     self._seen[view.name] = (beat, now)
                 if view.released is None and view.owner.get("token") != self.owner["token"]:
                     self.seen_held.add(view.name)
-            for study, claim in self.held.items():
+            for study, claim in held.items():
                 view = views.get(study)
                 if claim.lost is None and (view is None or view.epoch != claim.epoch):
                     claim.lost = f"now held by {view.holder}" if view else "its claim was deleted"
@@ -178,7 +182,8 @@ class Claims:
             return STALE
         with self._lock:
             _, since = self._seen.get(view.name, (None, self.clock()))
-        return STALE if self.clock() - since >= self.stale_s else HELD
+        patience = max(self.stale_s, float(view.attrs.get("stale_s") or 0))  # the longer one
+        return STALE if self.clock() - since >= patience else HELD
 
     def conflict(self, view: ClaimView) -> str | None:
         """Why a live claim's holder measures other kernels than this process (another
@@ -221,7 +226,7 @@ class Claims:
         except DuplicatedStudyError:
             return None
         attrs = {"owner": self.owner, "device": device, "checkout": self.checkout,
-                 "since": _now(), "beat": 0}  # fmt: skip
+                 "stale_s": self.stale_s, "since": _now(), "beat": 0}  # fmt: skip
         for key, value in attrs.items():
             self.storage.set_study_user_attr(study_id, key, value)
         claim = Claim(study, epoch, study_id)
@@ -275,11 +280,18 @@ class Claims:
         self._thread.start()
 
     def _beat_loop(self) -> None:
+        failing = False
         while not self._stop.wait(self.beat_s):
             try:
                 self.beat()
             except Exception as err:  # the storage hiccupped: beat again next time
-                self.warn(f"claims: a heartbeat failed ({_line(err)}); trying again")
+                if not failing:  # once per outage, not once per beat
+                    self.warn(f"claims: a heartbeat failed ({_line(err)}); trying again")
+                failing = True
+            else:
+                if failing:
+                    self.warn("claims: heartbeats go through again")
+                failing = False
 
     def close(self) -> None:
         """Stop beating and release what is still held (not done)."""

@@ -293,7 +293,7 @@ def test_a_claim_left_by_a_dead_process_is_taken_over(tmp_path: Path, workloads:
     study = optuna.create_study(study_name=f"{KEY}/b1", storage=storage)
     left = study.ask()
     left.suggest_categorical("path", ["bulk"])
-    dead = Claims(storage, make_stamp(FP, list(PATHS)).digest)
+    dead = Claims(storage, make_stamp(FP, list(PATHS)).digest, stale_s=1.0)
     dead.owner = {"host": "elsewhere", "pidns": "", "pid": 4242, "token": "dead"}
     dead.acquire(f"{KEY}/b1", None, "gpu3")  # and never beats
     lines: list[str] = []

@@ -13,7 +13,7 @@ has timed that (variant, batch): each study times its own batch, so its results 
 on which GPU, or which process, ran the studies before it. For the tests of tuning on several
 GPUs and hosts: the simulated host has ``KDAGEN_SIMULATE_GPUS`` GPUs (default 1), every check
 and timing is logged as a JSON line to the file ``KDAGEN_SIMULATE_LOG`` names, if any, and each
-timing takes ``KDAGEN_SIMULATE_DELAY`` seconds (default 0).
+takes ``KDAGEN_SIMULATE_DELAY`` seconds (default 0).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class SimulatedEvaluator:
     def check(self, name: str, seed: int) -> str | None:
         self._note("check", name)
         self._maybe_fail(name)
+        time.sleep(self.delay_s)
         if _matches(name, self.failures.get("wrong", ())):
             return "wrong result: case padded-stride (max_rel 3.10e-01, rel_l2 4.20e-02)"
         return None

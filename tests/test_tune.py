@@ -517,7 +517,7 @@ def test_tune_help_lists_the_options() -> None:
     result = runner.invoke(app, ["tune", "--help"])
     assert result.exit_code == 0
     for option in ("--trials", "--exhaustive", "--storage", "--out", "--workloads", "--space",
-                   "--repick"):  # fmt: skip
+                   "--repick", "--devices", "--claim-timeout"):  # fmt: skip
         assert option in result.output
     assert "--simulate" not in result.output  # for tests and CI only
 

@@ -32,7 +32,7 @@ from kdagen.simulate import DEFAULT_FAILURES
 from kdagen.storage import open_storage
 from kdagen.studies import TuneError, folder_lock, make_stamp
 from kdagen.tune import TuneOptions, run
-from kdagen.variant import PATHS
+from kdagen.variant import PATHS, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "commit-h12-q1-i32"
@@ -159,6 +159,13 @@ def test_a_silent_claim_goes_stale_and_its_holder_learns_it_lost_it(storage_url:
     b.release(taken, "goal")
     view = a.scan()["k/b1"]
     assert a.judge(view) == RELEASED and view.released["done_for"] == "goal"
+    slow = Claims(open_storage(storage_url), "checkout", stale_s=100, clock=lambda: now[0])
+    slow.owner |= {"host": "host-slow"}
+    slow.acquire("k/b2", None)
+    now[0] = 60.0
+    b.scan()
+    now[0] = 90.0  # silent for 30 s: past b's 10 s, within the 100 s the holder beats for
+    assert b.judge(b.scan()["k/b2"]) == HELD
 
 
 def test_a_claim_of_a_dead_process_of_this_host_is_stale_at_once(tmp_path: Path) -> None:
@@ -193,6 +200,49 @@ def test_a_live_claim_of_another_checkout_is_a_conflict(tmp_path: Path) -> None:
     why = ours.conflict(ours.scan()["k/b1"])
     assert why and "other kernels" in why and "one checkout per storage" in why
     assert Claims(storage, "old-templates").conflict(ours.scan()["k/b1"]) is None
+
+
+# ---- one process, several GPUs ----
+
+
+class HeldCheck:
+    """A GPU worker whose check of a variant blocks until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.checks: list[str] = []
+        self.entered, self.finish = threading.Event(), threading.Event()
+
+    def call(self, method: str, *args: Any, timeout: float) -> Any:
+        assert method == "check"
+        self.checks.append(args[0])
+        self.entered.set()
+        self.finish.wait(30)
+        return None
+
+
+def test_two_gpus_never_check_one_variant_at_once() -> None:
+    """The second GPU's study waits for the first one's check of a variant and takes its
+    result, rather than checking it again (two studies of a key start with one default)."""
+    from kdagen.evaluate import CandidateEvaluator, Ledger, Progress
+    from kdagen.simulate import SimulatedCompiler
+
+    ledger, progress, compiler = Ledger(), Progress(lambda line: None), SimulatedCompiler("sm_90a")
+    gpus = [HeldCheck(), HeldCheck()]
+    evs = [CandidateEvaluator(compiler, g, ledger, progress, 30, 0) for g in gpus]  # type: ignore[arg-type]
+    variant = Variant.parse(KILLED)
+    ready: list[str | None] = []
+    first = threading.Thread(target=lambda: ready.append(evs[0].ready(variant)))
+    first.start()
+    assert gpus[0].entered.wait(30)
+    second = threading.Thread(target=lambda: ready.append(evs[1].ready(variant)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and not gpus[1].checks  # waiting for the first GPU's check
+    gpus[0].finish.set()
+    first.join(30)
+    second.join(30)
+    assert ready == [None, None] and gpus[0].checks == [KILLED] and not gpus[1].checks
+    assert progress.checked == 1
 
 
 # ---- several processes, several GPUs ----
@@ -247,6 +297,8 @@ def test_a_tune_on_two_gpus_writes_the_table_of_one(
     assert table(result.folder) == baseline["table"]
     assert timings(simulated) == baseline["timings"]
     assert {c["gpu"] for c in calls(simulated) if c["method"] == "time"} == {"0", "1"}
+    checks = Counter(c["variant"] for c in calls(simulated) if c["method"] == "check")
+    assert set(checks.values()) == {1}  # the GPUs share what they checked, and wait for it
     assert any(" gpu0 " in line for line in lines) and any(" gpu1 " in line for line in lines)
     assert totals(lines) == totals(baseline["lines"])  # the totals count both GPUs' work
     assert f" timed {sum(baseline['timings'].values())} " in totals(lines)  # as the GPUs logged

@@ -260,11 +260,7 @@ def _run(
     )
     stamp = make_stamp(device["fingerprint"], list(PATHS))  # every kernel: see fresh_studies
     stale = stale_studies(storage, {n: p.space_hash for n, (p, _) in planned.items()}, stamp)
-    if stale:  # deleted by whichever process claims each (run_one)
-        n = len(stale)
-        listed = "; ".join(f"{name}: {why}" for name, why in list(stale.items())[:3])
-        echo(f"starting again {n} stud{'y' if n == 1 else 'ies'} whose kernels or "
-             f"candidates changed: {listed}{f'; and {n - 3} more' if n > 3 else ''}")  # fmt: skip
+    _say_restarts(stale, echo)  # deleted by whichever process claims each (run_one)
     ledger = Ledger()
     for study in fresh_studies(storage, stamp):
         ledger.add_study(study)
@@ -298,6 +294,14 @@ def _run(
         report.write_all(folder, results, stamp.as_dict(), device, wall, _jsonable(options),
                          space_points(options.spaces, device["arch"]))  # fmt: skip
     return TuneResult(folder, results, notes, wall, bool(device.get("simulated")))
+
+
+def _say_restarts(stale: dict[str, str], echo: Callable[[str], None]) -> None:
+    if stale:
+        n = len(stale)
+        listed = "; ".join(f"{name}: {why}" for name, why in list(stale.items())[:3])
+        echo(f"starting again {n} stud{'y' if n == 1 else 'ies'} whose kernels or "
+             f"candidates changed: {listed}{f'; and {n - 3} more' if n > 3 else ''}")  # fmt: skip
 
 
 def _goal(checkout: str, plan: StudyPlan, options: TuneOptions) -> str:

@@ -5,12 +5,18 @@ Compilation and the reference check do not depend on the batch, so a variant is 
 across the studies of a contract key and, read back from the storage, across resumed runs.
 Failures (compile error, launch error, wrong result, timeout, worker death) become a reason
 string and a ``search.FAILURE_SCORE`` outcome; a failed variant is never run again.
+
+Studies run in threads, one per GPU worker, sharing the compiler, the ledger and the progress
+counts: a variant is checked by one of them at a time (a second study of its key waits for
+that check's result instead of checking again).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +36,11 @@ class Compiler(Protocol):
     def close(self) -> None: ...
 
 
+class Stopped(Exception):
+    """The study must stop before its next GPU call: the run is stopping, or another tune
+    process took the study over. Nothing is recorded for the candidate in flight."""
+
+
 @dataclass
 class Ledger:
     """Per variant, across the studies of a run and resumed runs: failed (never run again)
@@ -37,16 +48,28 @@ class Ledger:
 
     failed: dict[str, dict[str, str]] = field(default_factory=dict)
     checked: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _checks: dict[str, threading.Lock] = field(default_factory=dict, repr=False, compare=False)
 
     def add_study(self, study: optuna.Study) -> None:
-        for name, outcome in recorded(study).items():
-            if outcome.ok:
-                self.checked.add(name)
-            elif not outcome.attrs.get("known"):
-                self.failed.setdefault(name, _failure(outcome.attrs))
+        scored = recorded(study)
         final = study.user_attrs.get("final") or {}
-        for name, reason in (final.get("dropped") or {}).items():
-            self.failed.setdefault(name, {"kind": kind_of(reason), "reason": reason})
+        with self._lock:
+            for name, outcome in scored.items():
+                if outcome.ok:
+                    self.checked.add(name)
+                elif not outcome.attrs.get("known"):
+                    self.failed.setdefault(name, _failure(outcome.attrs))
+            for name, reason in (final.get("dropped") or {}).items():
+                self.failed.setdefault(name, {"kind": kind_of(reason), "reason": reason})
+
+    @contextlib.contextmanager
+    def checking(self, name: str) -> Iterator[None]:
+        """Held while ``name`` is checked: one check of a variant at a time."""
+        with self._lock:
+            lock = self._checks.setdefault(name, threading.Lock())
+        with lock:
+            yield
 
 
 def _failure(attrs: dict[str, Any]) -> dict[str, str]:
@@ -66,27 +89,38 @@ def kind_of(reason: str) -> str:
 
 @dataclass
 class Progress:
-    """Counts for the progress line: compiled / checked / timed / failed, best so far."""
+    """Counts for the progress line, over every GPU of this process: compiled / checked /
+    timed / failed; and the study's own scored count and best so far."""
 
     echo: Callable[[str], None]
     compiled: set[str] = field(default_factory=set)
     checked: int = 0
     timed: int = 0
     failed: Counter[str] = field(default_factory=Counter)
-    study: tuple[int, int] = (0, 0)  # the study being run, of how many (1-based; 0: unknown)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, event: str, name: str = "") -> None:
+        """compiled (``name``), checked, timed, or a failure kind."""
+        with self._lock:
+            if event == "compiled":
+                self.compiled.add(name)
+            elif event == "checked":
+                self.checked += 1
+            elif event == "timed":
+                self.timed += 1
+            else:
+                self.failed[event] += 1
+
+    def totals(self) -> str:
+        """compiled N checked N timed N failed N (per kind)."""
+        with self._lock:
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.failed.items()))
+            return (f"compiled {len(self.compiled)} checked {self.checked} timed {self.timed} "
+                    f"failed {sum(self.failed.values())}{f' ({kinds})' if kinds else ''}")  # fmt: skip
 
     def show(self, label: str, scored: int, budget: int, best: tuple[float, str] | None) -> None:
-        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.failed.items()))
         best_text = f"best {best[0]:.2f} us {best[1]}" if best else "best -"
-        self.echo(
-            f"[{self._of()}{label}] {scored}/{budget} scored | compiled {len(self.compiled)} checked "
-            f"{self.checked} timed {self.timed} failed {sum(self.failed.values())}"
-            f"{f' ({kinds})' if kinds else ''} | {best_text}"
-        )
-
-    def _of(self) -> str:
-        index, total = self.study
-        return f"study {index}/{total} " if total else ""
+        self.echo(f"[{label}] {scored}/{budget} scored | {self.totals()} | {best_text}")
 
 
 class CandidateEvaluator:
@@ -100,9 +134,12 @@ class CandidateEvaluator:
         progress: Progress,
         timeout_s: float,
         seed: int,
+        guard: Callable[[], None] = lambda: None,
     ) -> None:
         self.compiler, self.worker, self.ledger = compiler, worker, ledger
         self.progress, self.timeout_s, self.seed = progress, timeout_s, seed
+        self.guard = guard  # raises Stopped when the study must stop
+        self._failed_now = False
 
     def prepare(self, variant: Variant) -> None:
         if variant.name not in self.ledger.failed:
@@ -113,19 +150,23 @@ class CandidateEvaluator:
         if variant.name in self.ledger.failed:
             return self.ledger.failed[variant.name]["reason"]
         record = self.compiler.result(variant)
+        self.guard()  # a compiler process killed by an interrupt is no compile error
         if not record.ok:
             first = (record.error or "").strip().splitlines()[-1:] or ["(no message)"]
             return self._fail(variant, f"compile error: {first[0][:300]}")
-        self.progress.compiled.add(variant.name)
-        if variant.name in self.ledger.checked:
-            return None
-        why = self._gpu("check", variant.name, self.seed)
-        if isinstance(why, WorkerFailure):
-            return self._fail(variant, _reason(why, "check"))
-        if why:
-            return self._fail(variant, str(why))
-        self.ledger.checked.add(variant.name)
-        self.progress.checked += 1
+        self.progress.count("compiled", variant.name)
+        with self.ledger.checking(variant.name):
+            if variant.name in self.ledger.failed:  # another GPU's check failed it meanwhile
+                return self.ledger.failed[variant.name]["reason"]
+            if variant.name in self.ledger.checked:
+                return None
+            why = self._gpu("check", variant.name, self.seed)
+            if isinstance(why, WorkerFailure):
+                return self._fail(variant, _reason(why, "check"))
+            if why:
+                return self._fail(variant, str(why))
+            self.ledger.checked.add(variant.name)
+        self.progress.count("checked")
         return None
 
     def time(self, variant: Variant, batch: int) -> dict[str, float] | str:
@@ -133,14 +174,15 @@ class CandidateEvaluator:
         result = self._gpu("time", variant.name, batch, self.seed)
         if isinstance(result, WorkerFailure):
             return self._fail(variant, _reason(result, "timing"))
-        self.progress.timed += 1
+        self.progress.count("timed")
         return result
 
     def score(self, variant: Variant, batch: int) -> Outcome:
-        known = variant.name in self.ledger.failed
+        self._failed_now = False
         why = self.ready(variant)
         timing = self.time(variant, batch) if why is None else why
         if isinstance(timing, str):
+            known = not self._failed_now  # recorded before: by another study, or an earlier run
             attrs = {"status": "failed", "kind": kind_of(timing), "reason": timing, "known": known}
             return Outcome(FAILURE_SCORE, attrs)
         return Outcome(timing["median_us"], {"status": "ok", **timing})
@@ -158,17 +200,25 @@ class CandidateEvaluator:
 
     def _gpu(self, method: str, *args: Any) -> Any:
         """The worker's answer, or the ``WorkerFailure`` (a worker that cannot even start
-        ends the run: raised)."""
+        ends the run: raised). The guard runs before and after: an answer that comes back
+        while the study is stopping (its worker killed by the stop) is not recorded."""
+        self.guard()
         try:
-            return self.worker.call(method, *args, timeout=self.timeout_s)
+            answer = self.worker.call(method, *args, timeout=self.timeout_s)
         except WorkerFailure as failure:
+            self.guard()
+            if failure.kind == "stopped":
+                raise Stopped(failure.reason) from None
             if failure.kind == "start":
                 raise
             return failure
+        self.guard()
+        return answer
 
     def _fail(self, variant: Variant, reason: str) -> str:
         self.ledger.failed[variant.name] = {"kind": kind_of(reason), "reason": reason}
-        self.progress.failed[kind_of(reason)] += 1
+        self.progress.count(kind_of(reason))
+        self._failed_now = True
         return reason
 
 

@@ -4,17 +4,28 @@ Nothing here is a measurement. Times come from a toy model of a memory-bound ker
 cost, bytes over bandwidth, waves of CTAs, a few config effects) with seeded noise, so TPE
 has a landscape to learn and the finalists have noise to sit within. Failure modes are chosen
 by substrings of variant names: ``compile`` (compile error), ``wrong`` (a check case fails),
-``launch`` (the check raises), ``hang`` (the check never returns) and ``die`` (the worker
-process exits). Outputs of a simulated run say SIMULATED wherever they show a time.
+``launch`` (the check raises), ``hang`` (the check never returns), ``die`` (the worker
+process exits during the check) and ``kill`` (it is killed, SIGKILL, while timing). Outputs of
+a simulated run say SIMULATED wherever they show a time.
+
+A timing's noise is drawn from the variant, the batch, the seed and how many times this worker
+has timed that (variant, batch): each study times its own batch, so its results do not depend
+on which GPU, or which process, ran the studies before it. For the tests of tuning on several
+GPUs and hosts: the simulated host has ``KDAGEN_SIMULATE_GPUS`` GPUs (default 1), every check
+and timing is logged as a JSON line to the file ``KDAGEN_SIMULATE_LOG`` names, if any, and each
+takes ``KDAGEN_SIMULATE_DELAY`` seconds (default 0).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import random
+import signal
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,6 +49,11 @@ DEFAULT_FAILURES: dict[str, list[str]] = {
     "wrong": ["h12-q8-i32-bulk-t128-v8-r2-"],
     "die": ["h12-q4-i32-bulk-t256-v4-r2-"],
 }
+
+
+def visible_gpus() -> int:
+    """GPUs the simulated host has (``KDAGEN_SIMULATE_GPUS``, default 1)."""
+    return int(os.environ.get("KDAGEN_SIMULATE_GPUS", "1"))
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -83,20 +99,28 @@ class SimulatedEvaluator:
     def __init__(self, failures: dict[str, list[str]] | None = None, noise: float = 0.01) -> None:
         self.failures = DEFAULT_FAILURES if failures is None else failures
         self.noise = noise
-        self.calls = 0
+        self.calls: Counter[tuple[str, int]] = Counter()  # timings per (variant, batch)
+        self.log = os.environ.get("KDAGEN_SIMULATE_LOG")
+        self.delay_s = float(os.environ.get("KDAGEN_SIMULATE_DELAY", "0"))
 
     def device(self) -> dict[str, Any]:
         return dict(DEVICE)
 
     def check(self, name: str, seed: int) -> str | None:
+        self._note("check", name)
         self._maybe_fail(name)
+        time.sleep(self.delay_s)
         if _matches(name, self.failures.get("wrong", ())):
             return "wrong result: case padded-stride (max_rel 3.10e-01, rel_l2 4.20e-02)"
         return None
 
     def time(self, name: str, batch: int, seed: int) -> dict[str, float]:
-        self.calls += 1
-        rng = random.Random(f"{name}|{batch}|{seed}|{self.calls}")
+        self._note("time", name, batch)
+        if _matches(name, self.failures.get("kill", ())):
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.delay_s)
+        self.calls[name, batch] += 1
+        rng = random.Random(f"{name}|{batch}|{seed}|{self.calls[name, batch]}")
         base = model_us(Variant.parse(name), batch)
         samples = sorted(base * (1 + rng.gauss(0, self.noise)) for _ in range(20))
         return {"median_us": samples[10], "p10_us": samples[2], "p90_us": samples[17], "sets": 8}
@@ -119,6 +143,15 @@ class SimulatedEvaluator:
     def peers(self, name: str, batch: int) -> dict[str, float]:
         return {}
 
+    def _note(self, method: str, name: str, batch: int | None = None) -> None:
+        """One line per GPU call in the log (appended whole: several workers share it)."""
+        if not self.log:
+            return
+        line = {"pid": os.getpid(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "method": method, "variant": name, "batch": batch}  # fmt: skip
+        with open(self.log, "a") as out:
+            out.write(json.dumps(line) + "\n")
+
     def _maybe_fail(self, name: str) -> None:
         if _matches(name, self.failures.get("die", ())):
             os._exit(3)
@@ -134,11 +167,10 @@ class SimulatedCompiler:
     def __init__(self, arch: str, failures: dict[str, list[str]] | None = None) -> None:
         self.arch = arch
         self.failures = DEFAULT_FAILURES if failures is None else failures
-        self.submitted: list[str] = []
+        self.submitted: dict[str, None] = {}  # in order; shared by the threads of every GPU
 
     def submit(self, variant: Variant) -> None:
-        if variant.name not in self.submitted:
-            self.submitted.append(variant.name)
+        self.submitted.setdefault(variant.name)
 
     def result(self, variant: Variant) -> CompileRecord:
         self.submit(variant)

@@ -7,13 +7,16 @@ hash). A run resumes the studies whose kernels are unchanged and starts again th
 kernels or candidates changed: after a template edit only the affected studies are measured
 again, and no study mixes measurements of two kernels. A study measured on another GPU is
 refused. Trials a killed run left RUNNING are marked FAIL on resume (TPE ignores FAIL
-trials), so their candidates are asked again and scored properly.
+trials), so their candidates are asked again and scored properly: a study is only touched by
+the process holding its claim (``kdagen.claims``), so its RUNNING trials are a dead run's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +49,12 @@ class Stamp:
     def as_dict(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "dsl_version": self.dsl_version,
                 "template_hashes": dict(self.template_hashes)}  # fmt: skip
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the stamp: what tune processes sharing a storage must agree on."""
+        text = json.dumps(self.as_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def make_stamp(fingerprint: str, kernels: Sequence[str]) -> Stamp:
@@ -98,30 +107,28 @@ def foreign(attrs: dict[str, Any], stamp: Stamp) -> str | None:
     return None
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.RDBStorage(url)
-
-
-def fresh_studies(storage: optuna.storages.BaseStorage, stamp: Stamp) -> list[optuna.Study]:
-    """Studies of this storage measured on this GPU with the kernels this run builds."""
+def fresh_studies(
+    storage: optuna.storages.BaseStorage, stamp: Stamp, key: str | None = None
+) -> list[optuna.Study]:
+    """Studies of this storage measured on this GPU with the kernels this run builds (of one
+    contract key: ``key``)."""
     out = []
     for frozen in storage.get_all_studies():
         attrs = frozen.user_attrs
+        if key is not None and attrs.get("key") != key:
+            continue
         mine = "kernel" in attrs and attrs["kernel"] in stamp.template_hashes
         if mine and not foreign(attrs, stamp) and not staleness(attrs, stamp):
             out.append(optuna.load_study(study_name=frozen.study_name, storage=storage))
     return out
 
 
-def restart_stale(
+def stale_studies(
     storage: optuna.storages.BaseStorage, planned: dict[str, str], stamp: Stamp
-) -> list[str]:
-    """Delete the planned studies whose kernels or candidates changed, so this run measures
-    them again from scratch; refuse (``TuneError``) a storage whose planned studies were
-    measured on another GPU. ``planned``: study name -> the hash of its candidates now.
-    Returns "name: why" per deleted study."""
+) -> dict[str, str]:
+    """The planned studies whose kernels or candidates changed (name -> why), refusing
+    (``TuneError``) a storage whose planned studies were measured on another GPU.
+    ``planned``: study name -> the hash of its candidates now. Reads only."""
     foreign_studies, stale = [], {}
     for frozen in storage.get_all_studies():
         if frozen.study_name not in planned:
@@ -143,6 +150,15 @@ def restart_stale(
             f"{f'; and {more} more' if more > 0 else ''}). Refusing to mix them: use another "
             "--out/--storage for this GPU."
         )
+    return stale
+
+
+def restart_stale(
+    storage: optuna.storages.BaseStorage, planned: dict[str, str], stamp: Stamp
+) -> list[str]:
+    """Delete the planned studies whose kernels or candidates changed (``stale_studies``), so
+    that they are measured again from scratch. Returns "name: why" per deleted study."""
+    stale = stale_studies(storage, planned, stamp)
     for name in stale:
         optuna.delete_study(study_name=name, storage=storage)
     return [f"{name}: {why}" for name, why in stale.items()]
@@ -160,12 +176,14 @@ def fail_interrupted(storage: optuna.storages.BaseStorage, study: optuna.Study) 
 
 
 @contextlib.contextmanager
-def folder_lock(folder: Path) -> Iterator[None]:
-    """One tuner per output folder: resuming assumes RUNNING trials belong to a dead run."""
+def folder_lock(folder: Path, wait: bool = True) -> Iterator[None]:
+    """One writer of an output folder's table, winners and report at a time: tune processes
+    that share a folder write it in turn (an exclusive ``flock``, which other processes and
+    other open files of this one respect). ``wait=False``: refuse when it is taken."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".tune.lock", "w") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             raise TuneError(f"another kdagen tune is writing {folder}") from None
         yield

@@ -14,8 +14,17 @@ for it, so it overlaps the GPU work on earlier candidates -> check on the GPU wo
 re-timed together, interleaved (kdagen.finals). The default config is the run-time heuristic's
 choice, enqueued as each study's first trial.
 
-Storage is Optuna's SQLite in the output folder; ``load_if_exists`` resumes a killed run:
-scored trials stay scored, trials left RUNNING by the kill are marked failed (and their
+Past one GPU (kdagen.devices, kdagen.schedule): a supervised worker per GPU of the host
+(``--devices``, default every visible one), each pinned to its GPU, and a thread per worker
+that takes the next study and runs it to the end on that GPU (its finalists are interleaved
+on one GPU); the compile pool is shared. Past one process (kdagen.claims): tune processes on
+several hosts name one Optuna storage (``--storage``: kdagen.storage) and claim studies on
+it, so that each study is measured by one process; a process that finds a study claimed by a
+live process takes the next, waits at the end for the studies others hold (taking over those
+whose holder died), and writes the table from the storage: every process writes the same one.
+
+Storage is Optuna's SQLite in the output folder by default; ``load_if_exists`` resumes a killed
+run: scored trials stay scored, trials left RUNNING by the kill are marked failed (and their
 candidates asked again), finished finals are kept (picked again from their stored times
 when the pick rule has changed since).
 """
@@ -36,9 +45,11 @@ from typing import Any
 
 import optuna
 
-from kdagen import report
+from kdagen import devices, report
+from kdagen.claims import STALE_S, Claim, Claims, is_claim
 from kdagen.evaluate import CandidateEvaluator, Compiler, Ledger, Progress
 from kdagen.finals import PICK_RULE, pick_again, run_finals
+from kdagen.schedule import Schedule, Slot
 from kdagen.search import (
     Outcome,
     SearchSpace,
@@ -51,6 +62,7 @@ from kdagen.search import (
 from kdagen.serve.dispatch import generated_root
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads
+from kdagen.storage import describe, open_storage
 from kdagen.studies import (
     Stamp,
     TuneError,
@@ -59,8 +71,8 @@ from kdagen.studies import (
     folder_lock,
     fresh_studies,
     make_stamp,
-    open_storage,
     restart_stale,
+    stale_studies,
 )
 from kdagen.worker import PoolCompiler, Worker, WorkerFailure
 
@@ -88,6 +100,8 @@ class TuneOptions:
     lookahead: int = 0  # candidates asked ahead (compiling) of the one on the GPU; 0: auto
     simulate: dict[str, list[str]] | None = None  # failure patterns: simulated GPU/compiler
     start_timeout_s: float = 600.0
+    devices: str = devices.ALL  # the GPUs: "all" (every visible one) or indices "0,2"
+    claim_timeout_s: float = STALE_S  # a silent process's claim is taken over after this
 
 
 # ---- the plan ----
@@ -185,38 +199,46 @@ def run(
     overrides the run-time heuristic (asked of the GPU worker) as each study's default."""
     started = time.time()
     logging.getLogger("optuna").setLevel(logging.WARNING)
-    worker, make_compiler = _components(options)
+    indices = devices.select(options.devices, devices.visible_count(options.simulate is not None))
+    storage = open_storage(options.storage) if options.storage else None  # before the GPUs
+    slots = [Slot(devices.label(i), _worker(options, i)) for i in indices]
     compiler = None
     try:
-        device = worker.call("device", timeout=options.start_timeout_s)
-        compiler = make_compiler(device["arch"])
-        return _run(options, echo, default_for, worker, compiler, device, started)
-    except WorkerFailure as failure:  # only a worker that cannot start gets here
-        raise TuneError(failure.reason) from None
+        device = devices.start([s.worker for s in slots], indices, options.start_timeout_s)
+        compiler = _compiler(options, device["arch"])
+        return _run(options, echo, default_for, slots, compiler, device, storage, started)
     finally:
         if compiler is not None:
             compiler.close()
-        worker.close()
+        for slot in slots:
+            slot.worker.close()
 
 
-def _components(options: TuneOptions) -> tuple[Worker, Callable[[str], Compiler]]:
+def _worker(options: TuneOptions, index: int) -> Worker:
+    """The supervised worker of GPU ``index``, pinned to it."""
+    env = devices.child_env(index)
+    if options.simulate is not None:
+        return Worker("kdagen.simulate:SimulatedEvaluator", {"failures": options.simulate},
+                      options.start_timeout_s, env)  # fmt: skip
+    return Worker("kdagen.worker:GpuEvaluator", {}, options.start_timeout_s, env)
+
+
+def _compiler(options: TuneOptions, arch: str) -> Compiler:
     if options.simulate is not None:
         from kdagen.simulate import SimulatedCompiler
 
-        worker = Worker("kdagen.simulate:SimulatedEvaluator", {"failures": options.simulate},
-                        options.start_timeout_s)  # fmt: skip
-        return worker, lambda arch: SimulatedCompiler(arch, options.simulate)
-    worker = Worker("kdagen.worker:GpuEvaluator", {}, options.start_timeout_s)
-    return worker, lambda arch: PoolCompiler(arch, options.jobs)
+        return SimulatedCompiler(arch, options.simulate)
+    return PoolCompiler(arch, options.jobs)
 
 
 def _run(
     options: TuneOptions,
     echo: Callable[[str], None],
     default_for: Callable[[Variant, int], Variant] | None,
-    worker: Worker,
+    slots: Sequence[Slot],
     compiler: Compiler,
     device: dict[str, Any],
+    storage: optuna.storages.BaseStorage | None,
     started: float,
 ) -> TuneResult:
     plans, notes = plan_studies(options.spaces, options.workloads, device["arch"], options.match)
@@ -228,37 +250,68 @@ def _run(
     root = options.out or (Path("out") if device.get("simulated") else generated_root())
     folder = root / device["fingerprint"]
     storage_url = options.storage or f"sqlite:///{folder / 'studies.db'}"
+    storage = storage or open_storage(storage_url)
+    planned = {p.study_name(b): (p, b) for p in plans for b in p.batches}
+    gpus = f"{len(slots)} GPU{'s' if len(slots) > 1 else ''} ({', '.join(s.label for s in slots)})"
     echo(
-        f"tuning {len(plans)} contract keys, {sum(len(p.batches) for p in plans)} studies on "
-        f"{device['fingerprint']}{' (SIMULATED)' if device.get('simulated') else ''}; "
-        f"storage {storage_url}"
+        f"tuning {len(plans)} contract keys, {len(planned)} studies on "
+        f"{device['fingerprint']}{' (SIMULATED)' if device.get('simulated') else ''}, {gpus}; "
+        f"storage {describe(storage_url)}"
     )
-    with folder_lock(folder):
-        storage = open_storage(storage_url)
-        stamp = make_stamp(device["fingerprint"], list(PATHS))  # every kernel: see fresh_studies
-        restarted = restart_stale(
-            storage, {p.study_name(b): p.space_hash for p in plans for b in p.batches}, stamp
-        )
-        if restarted:
-            n = len(restarted)
-            listed = "; ".join(restarted[:3]) + (f"; and {n - 3} more" if n > 3 else "")
-            echo(f"starting again {n} stud{'y' if n == 1 else 'ies'} whose kernels or "
-                 f"candidates changed: {listed}")  # fmt: skip
-        ledger = Ledger()
-        for study in fresh_studies(storage, stamp):
+    stamp = make_stamp(device["fingerprint"], list(PATHS))  # every kernel: see fresh_studies
+    stale = stale_studies(storage, {n: p.space_hash for n, (p, _) in planned.items()}, stamp)
+    _say_restarts(stale, echo)  # deleted by whichever process claims each (run_one)
+    ledger = Ledger()
+    for study in fresh_studies(storage, stamp):
+        ledger.add_study(study)
+    progress = Progress(echo)
+    checkout = stamp.digest
+    claims = Claims(storage, checkout, options.claim_timeout_s, warn=echo)
+    schedule = Schedule(list(planned), claims,
+                        lambda name: _goal(checkout, planned[name][0], options), echo)  # fmt: skip
+
+    def run_one(slot: Slot, claim: Claim, label: str) -> None:
+        plan, batch = planned[claim.study]
+        restart_stale(storage, {claim.study: plan.space_hash}, stamp)  # by its holder only
+        for study in fresh_studies(storage, stamp, plan.key):  # what other processes found
             ledger.add_study(study)
-        ev = CandidateEvaluator(
-            compiler, worker, ledger, Progress(echo), options.timeout_s, options.seed
-        )
-        studies = [(plan, batch) for plan in plans for batch in plan.batches]
-        for index, (plan, batch) in enumerate(studies, 1):
-            ev.progress.study = (index, len(studies))
-            run_study(ev, storage, plan, batch, stamp, options, default_for)
-        wall = time.time() - started
+        ev = CandidateEvaluator(compiler, slot.worker, ledger, progress, options.timeout_s,
+                                options.seed, guard=lambda: schedule.guard(claim))  # fmt: skip
+        try:
+            run_study(ev, storage, plan, batch, stamp, options, default_for, label)
+        except WorkerFailure as failure:  # only a worker that cannot start again gets here
+            where = f"{slot.label}: " if len(slots) > 1 else ""
+            raise TuneError(where + failure.reason) from None
+
+    schedule.run(slots, run_one)
+    others = len(planned) - schedule.ran_here
+    echo(f"all {len(planned)} studies done ({schedule.ran_here} here"
+         f"{f', {others} by other tune processes' if others else ''}); on {gpus}: "
+         f"{progress.totals()}")  # fmt: skip
+    wall = time.time() - started
+    with folder_lock(folder):  # processes that share the folder write it in turn
         results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
         report.write_all(folder, results, stamp.as_dict(), device, wall, _jsonable(options),
                          space_points(options.spaces, device["arch"]))  # fmt: skip
     return TuneResult(folder, results, notes, wall, bool(device.get("simulated")))
+
+
+def _say_restarts(stale: dict[str, str], echo: Callable[[str], None]) -> None:
+    if stale:
+        n = len(stale)
+        listed = "; ".join(f"{name}: {why}" for name, why in list(stale.items())[:3])
+        echo(f"starting again {n} stud{'y' if n == 1 else 'ies'} whose kernels or "
+             f"candidates changed: {listed}{f'; and {n - 3} more' if n > 3 else ''}")  # fmt: skip
+
+
+def _goal(checkout: str, plan: StudyPlan, options: TuneOptions) -> str:
+    """What a finished study was finished for (kernels, candidates, trials, rounds, pick rule):
+    a process with the same goal takes it as done; one with another runs it again (more
+    trials, say)."""
+    n = len(plan.candidates)
+    budget = n if options.exhaustive else min(options.trials, n)
+    text = json.dumps([checkout, plan.space_hash, budget, options.rounds, PICK_RULE])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_study(
@@ -269,8 +322,10 @@ def run_study(
     stamp: Stamp,
     options: TuneOptions,
     default_for: Callable[[Variant, int], Variant] | None = None,
+    label: str = "",
 ) -> None:
-    """One (contract key, batch bucket) study: trials until the budget, then the finals."""
+    """One (contract key, batch bucket) study: trials until the budget, then the finals.
+    ``label`` starts its progress lines (which study of how many, on which GPU)."""
     name = plan.study_name(batch)
     space = SearchSpace(plan.candidates)
     study = optuna.create_study(
@@ -289,14 +344,17 @@ def run_study(
     def told(variant: Variant, outcome: Outcome) -> None:
         if outcome.ok:
             best.append((outcome.value, variant.name))
-        ev.progress.show(name, len(recorded(study)), budget, min(best) if best else None)
+        ev.progress.show(label + name, len(recorded(study)), budget, min(best) if best else None)
 
     lookahead = options.lookahead or max(2, min(options.jobs or os.cpu_count() or 1, 4))
-    drive(study, space, budget, lambda v: ev.score(v, batch), ev.prepare, lookahead, told,
-          random.Random(_seed(options.seed, name)))  # fmt: skip
+    measured = drive(study, space, budget, lambda v: ev.score(v, batch), ev.prepare, lookahead,
+                     told, random.Random(_seed(options.seed, name)))  # fmt: skip
     final = study.user_attrs.get("final") or {}
-    if final.get("scored") != len(recorded(study)) or final.get("rounds") != options.rounds:
-        ev.progress.echo(f"[{name}] re-timing finalists, {options.rounds} interleaved rounds")
+    retime = final.get("scored") != len(recorded(study)) or final.get("rounds") != options.rounds
+    if retime:
+        ev.progress.echo(
+            f"[{label}{name}] re-timing finalists, {options.rounds} interleaved rounds"
+        )
         study.set_user_attr(
             "final", run_finals(ev, study, space.by_name, default, batch, options.rounds)
         )
@@ -304,15 +362,19 @@ def run_study(
         _pick_under_current_rule(study)
     if set(recorded(study)) >= set(space.by_name) and "efficiency" not in study.user_attrs:
         study.set_user_attr("efficiency", _efficiency(study, space, default, lookahead))
-    wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started
-    study.set_user_attr("wall_s", round(wall, 2))
+    if measured or retime:  # a complete study run again (another process, a resume) took none
+        wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started
+        study.set_user_attr("wall_s", round(wall, 2))
 
 
 def _stamp_study(study: optuna.Study, plan: StudyPlan, batch: int, stamp: Stamp) -> None:
-    attrs = {"kernel": plan.kernel, "key": plan.key, "batch": batch, "space": plan.space_hash,
+    attrs = {"key": plan.key, "batch": batch, "space": plan.space_hash,
              "candidates": len(plan.candidates)} | stamp.attrs(plan.kernel)  # fmt: skip
     attrs |= candidate_attrs([v.name for v in plan.candidates])
     attrs["workloads"] = sorted(set(study.user_attrs.get("workloads", [])) | set(plan.workloads))
+    # "kernel" last: a study is judged (fresh, stale, another GPU's) only once it has one, so
+    # a process reading it while its holder stamps it never sees half a stamp
+    attrs["kernel"] = plan.kernel
     for key, value in attrs.items():
         if study.user_attrs.get(key) != value:
             study.set_user_attr(key, value)
@@ -336,7 +398,8 @@ def repick(folder: Path) -> TuneResult:
         storage = open_storage(f"sqlite:///{folder / 'studies.db'}")
         stamp = make_stamp(device["fingerprint"], list(PATHS))
         studies = fresh_studies(storage, stamp)
-        unusable = len(storage.get_all_studies()) - len(studies)
+        stored = [s for s in storage.get_all_studies() if not is_claim(s.study_name)]
+        unusable = len(stored) - len(studies)
         if unusable:
             raise TuneError(
                 f"{unusable} stud{'y' if unusable == 1 else 'ies'} in {folder} do not match the "
@@ -398,5 +461,6 @@ def _efficiency(
 
 
 def _jsonable(options: TuneOptions) -> dict[str, Any]:
-    """The options as JSON (the run log in the output folder)."""
-    return json.loads(json.dumps(vars(options), default=str))
+    """The options as JSON (the run log in the output folder), without a storage password."""
+    fields = vars(options) | {"storage": options.storage and describe(options.storage)}
+    return json.loads(json.dumps(fields, default=str))

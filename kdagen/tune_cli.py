@@ -28,7 +28,21 @@ def tune(
     ),
     exhaustive: bool = typer.Option(False, help="score every candidate (small spaces)"),
     storage: str = typer.Option(
-        None, help="Optuna storage URL [default: sqlite:///<out>/<gpu>/studies.db]"
+        None,
+        help="Optuna storage URL that tune processes on several GPUs or hosts share: "
+        "sqlite:///PATH, journal:///PATH (a journal file: one host, or a shared file system) or "
+        "a database URL such as postgresql://user@host/db [default: "
+        "sqlite:///<out>/<gpu>/studies.db]",
+    ),
+    devices: str = typer.Option(
+        "all",
+        help="GPUs to tune on, one worker each: all (every visible one) or indices such as 0,1",
+    ),
+    claim_timeout: float = typer.Option(
+        60.0,
+        min=1.0,
+        help="seconds a study claimed by a silent tune process (on this storage) waits before "
+        "another process takes it over",
     ),
     out: Path = typer.Option(
         None, help="output root; results go to <out>/<gpu-fingerprint>/ [default: generated/]"
@@ -54,7 +68,10 @@ def tune(
 ) -> None:
     """Tune: an Optuna study per (contract key, batch bucket); dispatch table, winners and
     report.md in <out>/<gpu-fingerprint>/. A killed run resumes where it stopped; after a
-    template edit only the studies whose kernels render differently are measured again."""
+    template edit only the studies whose kernels render differently are measured again.
+    Studies are spread over the GPUs of --devices, and over every tune process given the same
+    --storage (on this host or others): each study is measured once, and each process writes
+    the same table when all are done."""
     if exhaustive and trials is not None:
         raise typer.BadParameter("give --trials N or --exhaustive, not both")
     if repick is not None:
@@ -64,7 +81,8 @@ def tune(
 
     result = _run_tuner("tune", run, simulate, space, workloads=workloads, trials=trials or 32,
                         exhaustive=exhaustive, storage=storage, out=out, match=match, jobs=jobs,
-                        timeout_s=timeout, rounds=rounds, seed=seed)  # fmt: skip
+                        timeout_s=timeout, rounds=rounds, seed=seed, devices=devices,
+                        claim_timeout_s=claim_timeout)  # fmt: skip
     typer.echo(summary_table(result.results, result.simulated))
     typer.echo(f"wrote {result.folder} (dispatch.json, winners.json, report.md, plots/)")
 

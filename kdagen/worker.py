@@ -10,6 +10,11 @@ factory: ``GpuEvaluator`` (kdagen.check and kdagen.bench, imported there only) o
 simulated one of ``kdagen.simulate``. Compilation runs in a separate pool of spawned
 processes (``kdagen.compile.compile_variant``, the on-disk cache shared with every other
 run), so candidate n+1 compiles while candidate n is checked and timed.
+
+A tune on several GPUs has a worker per GPU, each pinned by the environment it is spawned
+with (``kdagen.devices.child_env``), and one compile pool that every GPU's thread submits to.
+Workers ignore SIGINT: an interrupt is the tuner's to handle (it stops its studies first,
+then the workers), so no candidate is recorded as failed because Ctrl-C killed its worker.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import importlib
 import multiprocessing
 import os
 import signal
+import threading
 import traceback
 from collections import Counter
 from multiprocessing.connection import Connection
@@ -50,8 +56,12 @@ def _build(factory: str, kwargs: dict[str, Any]) -> Any:
     return getattr(importlib.import_module(module), name)(**kwargs)
 
 
-def _serve(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
+def _serve(
+    conn: Connection, factory: str, kwargs: dict[str, Any], env: dict[str, str] | None = None
+) -> None:
     """The worker's loop: build the evaluator, then answer (method, args) until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env or {})  # before the evaluator initialises CUDA
     try:
         target = _build(factory, kwargs)
     except BaseException as err:
@@ -80,13 +90,16 @@ class Worker:
         factory: str,
         kwargs: dict[str, Any] | None = None,
         start_timeout: float = START_TIMEOUT_S,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.factory = factory
         self.kwargs = kwargs or {}
         self.start_timeout = start_timeout
+        self.env = env or {}  # set in the worker before it starts (its GPU: CUDA_VISIBLE_DEVICES)
         self.starts = 0
         self._proc: Any = None
         self._conn: Connection | None = None
+        self._stopped = False
 
     @property
     def pid(self) -> int | None:
@@ -119,16 +132,20 @@ class Worker:
         if self._proc is not None and self._proc.is_alive() and self._conn is not None:
             return self._conn
         self.kill()
+        if self._stopped:
+            raise WorkerFailure("stopped", "the tuner is stopping")
         ctx = multiprocessing.get_context("spawn")  # CUDA and MLIR do not survive a fork
         parent, child = ctx.Pipe()
         proc = ctx.Process(
-            target=_serve, args=(child, self.factory, self.kwargs), daemon=True,
+            target=_serve, args=(child, self.factory, self.kwargs, self.env), daemon=True,
             name="kdagen-gpu-worker",
         )  # fmt: skip
         proc.start()
         child.close()  # so the parent sees EOF when the worker dies
         self._proc, self._conn = proc, parent
         self.starts += 1
+        if self._stopped:  # stopped while it was starting: stop() may have missed it
+            proc.kill()
         if not parent.poll(self.start_timeout):
             self.kill()
             raise WorkerFailure(
@@ -165,6 +182,14 @@ class Worker:
         if self._conn is not None:
             self._conn.close()
         self._proc = self._conn = None
+
+    def stop(self) -> None:
+        """Kill the worker for good, from any thread: a call in flight fails at once (its
+        caller drops the answer) and no call starts it again."""
+        self._stopped = True
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
 
     def close(self) -> None:
         if self._proc is not None and self._proc.is_alive() and self._conn is not None:
@@ -265,7 +290,8 @@ class PoolCompiler:
 
     Cached variants are read in this process (no worker needed). A compiler crash breaks the
     pool; the variants it took down are compiled again each in a process of its own, so only
-    the one that crashes is recorded as an error.
+    the one that crashes is recorded as an error. Shared by the threads of every GPU (a lock
+    around its books; waiting for a compile holds none).
     """
 
     def __init__(self, arch: str, jobs: int = 0, root: Path | None = None) -> None:
@@ -273,8 +299,10 @@ class PoolCompiler:
         self.jobs = jobs or os.cpu_count() or 1
         self.root = str(root) if root else None
         self._pool: futures.ProcessPoolExecutor | None = None
-        self._pending: dict[str, futures.Future[CompileRecord]] = {}
+        self._generation = 0  # counts pools: a crash replaces only the pool it broke
+        self._pending: dict[str, tuple[futures.Future[CompileRecord], int]] = {}
         self._lost: Counter[str] = Counter()
+        self._lock = threading.Lock()
 
     def _executor(self, jobs: int) -> futures.ProcessPoolExecutor:
         return futures.ProcessPoolExecutor(
@@ -283,44 +311,64 @@ class PoolCompiler:
         )  # fmt: skip
 
     def submit(self, variant: Variant) -> None:
+        with self._lock:
+            self._submit(variant)
+
+    def _submit(self, variant: Variant) -> tuple[futures.Future[CompileRecord], int]:
         if variant.name in self._pending:
-            return
+            return self._pending[variant.name]
         cached = self._cached(variant)
         if cached is not None:
             done: futures.Future[CompileRecord] = futures.Future()
             done.set_result(cached)
-            self._pending[variant.name] = done
-            return
+            self._pending[variant.name] = (done, -1)
+            return self._pending[variant.name]
         if self._pool is None:
             self._pool = self._executor(self.jobs)
-        self._pending[variant.name] = self._pool.submit(
-            compile_named, variant.name, self.arch, self.root
-        )
+            self._generation += 1
+        future = self._pool.submit(compile_named, variant.name, self.arch, self.root)
+        self._pending[variant.name] = (future, self._generation)
+        return self._pending[variant.name]
 
     def result(self, variant: Variant) -> CompileRecord:
-        self.submit(variant)
+        with self._lock:
+            future, generation = self._submit(variant)
         try:
-            return self._pending[variant.name].result()
+            return future.result()
         except futures.process.BrokenProcessPool as err:
-            self._lost[variant.name] += 1
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
-            if self._lost[variant.name] > 1:
-                return CompileRecord(
-                    variant.name, self.arch, "", "error", 0.0,
-                    error=f"the compiler process died: {err}",
-                )  # fmt: skip
-            with self._executor(1) as alone:  # its own process: a crash now names it
-                future = alone.submit(compile_named, variant.name, self.arch, self.root)
-                self._pending[variant.name] = future
-                try:
-                    return future.result()
-                except futures.process.BrokenProcessPool as again:
+            return self._after_crash(variant, future, generation, err)
+
+    def _after_crash(
+        self, variant: Variant, broken: futures.Future[CompileRecord], generation: int,
+        err: Exception,
+    ) -> CompileRecord:  # fmt: skip
+        with self._lock:
+            if self._pending[variant.name][0] is not broken:  # another thread took it on
+                again = self._pending[variant.name][0]
+                alone = None
+            else:
+                self._lost[variant.name] += 1
+                if self._pool is not None and generation == self._generation:
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                    self._pool = None
+                if self._lost[variant.name] > 1:
                     return CompileRecord(
                         variant.name, self.arch, "", "error", 0.0,
-                        error=f"the compiler process died: {again}",
+                        error=f"the compiler process died: {err}",
                     )  # fmt: skip
+                alone = self._executor(1)  # its own process: a crash now names it
+                again = alone.submit(compile_named, variant.name, self.arch, self.root)
+                self._pending[variant.name] = (again, -1)
+        try:
+            return again.result()
+        except futures.process.BrokenProcessPool as died:
+            return CompileRecord(
+                variant.name, self.arch, "", "error", 0.0,
+                error=f"the compiler process died: {died}",
+            )  # fmt: skip
+        finally:
+            if alone is not None:
+                alone.shutdown()
 
     def _cached(self, variant: Variant) -> CompileRecord | None:
         from kdagen.compile import compile_variant, variant_dir
@@ -331,6 +379,7 @@ class PoolCompiler:
         return None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from kdagen import render as krender
 from kdagen.check import CaseResult
+from kdagen.claims import is_claim
 from kdagen.cli import app
 from kdagen.compile import variant_dir
 from kdagen.finals import PICK_RULE, pick_again, pick_winner
@@ -30,12 +31,12 @@ from kdagen.search import (
 from kdagen.serve import dispatch
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
+from kdagen.storage import open_storage
 from kdagen.studies import (
     Stamp,
     TuneError,
     candidate_attrs,
     fresh_studies,
-    open_storage,
     restart_stale,
 )
 from kdagen.tune import TuneOptions, plan_studies, run
@@ -83,7 +84,7 @@ def options(tmp_path: Path, workloads: Path, **changes: object) -> TuneOptions:
 def studies_of(folder: Path) -> dict[str, optuna.Study]:
     storage = f"sqlite:///{folder / 'studies.db'}"
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
-    return {n: optuna.load_study(study_name=n, storage=storage) for n in names}
+    return {n: optuna.load_study(study_name=n, storage=storage) for n in names if not is_claim(n)}
 
 
 def scored_names(study: optuna.Study) -> list[str]:
@@ -516,7 +517,7 @@ def test_tune_help_lists_the_options() -> None:
     result = runner.invoke(app, ["tune", "--help"])
     assert result.exit_code == 0
     for option in ("--trials", "--exhaustive", "--storage", "--out", "--workloads", "--space",
-                   "--repick"):  # fmt: skip
+                   "--repick", "--devices", "--claim-timeout"):  # fmt: skip
         assert option in result.output
     assert "--simulate" not in result.output  # for tests and CI only
 

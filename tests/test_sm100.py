@@ -38,13 +38,14 @@ def _record(records: list[kcompile.CompileRecord], name: str) -> kcompile.Compil
 
 
 def test_space_covers_every_contract_variant() -> None:
-    keys = {(v.window, v.conv, v.conv_layout, v.conv_weight_dtype) for v in SM100}
+    keys = {(v.gate, v.window, v.conv, v.conv_layout, v.conv_weight_dtype) for v in SM100}
     conv_settings = {(False, "token_major", "bf16")} | {
         (True, layout, dtype)
         for layout in ("token_major", "dim_first")
         for dtype in ("bf16", "fp32")
     }
-    assert keys == {(q, *c) for q in range(1, 9) for c in conv_settings}
+    assert keys == {(g, q, *c) for g in ("kda", "softplus") for q in range(1, 9)
+                    for c in conv_settings}  # fmt: skip
     assert all(v.ctas > 0 and v.spec.archs == ("sm_100a",) for v in SM100)
 
 

@@ -40,15 +40,16 @@ def _ptx(name: str, cache: Path) -> str:
 
 
 def test_space_covers_every_contract_variant() -> None:
-    keys = {(v.heads, v.window, v.conv, v.conv_layout, v.conv_weight_dtype, v.slot_dtype)
-            for v in SM90}  # fmt: skip
+    keys = {(v.gate, v.heads, v.window, v.conv, v.conv_layout, v.conv_weight_dtype,
+             v.slot_dtype) for v in SM90}  # fmt: skip
     conv = [(False, "token_major", "bf16")] + [
         (True, layout, dtype)
         for layout in ("token_major", "dim_first")
         for dtype in ("bf16", "fp32")
     ]
-    expected = {(h, q, *c, s) for h in (12, 32, 96) for q in range(1, 9) for c in conv
-                for s in ("int32", "int64")}  # fmt: skip
+    heads = {"kda": (12, 32, 96), "softplus": (4, 8, 16, 32)}  # Kimi-K3's, Kimi-Linear's
+    expected = {(g, h, q, *c, s) for g in heads for h in heads[g] for q in range(1, 9)
+                for c in conv for s in ("int32", "int64")}  # fmt: skip
     assert keys == expected
     assert all(v.path == "sm90_wgmma" and v.spec.archs == ("sm_90a",) for v in SM90)
     assert not any(v.conv and v.row_split > 1 for v in SM90)

@@ -27,8 +27,9 @@ SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 H, Q = 12, 4
 
 
-def test_vllm_entry_point_gives_the_same_outputs_as_verify() -> None:
-    inputs = make_verify_inputs(20, H, Q, device="cuda", seed=SEED)
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_vllm_entry_point_gives_the_same_outputs_as_verify(lower_bound: float | None) -> None:
+    inputs = make_verify_inputs(20, H, Q, device="cuda", seed=SEED, lower_bound=lower_bound)
     ours = clone_inputs(inputs)
     # Both dispatch (same contract and batch, so the same variant): variants may differ in the
     # order of their fp32 sums, so only the same variant gives the same bits.
@@ -57,16 +58,6 @@ def test_vllm_entry_point_gives_the_same_outputs_as_verify() -> None:
     # Blocks of no live request keep their poison.
     assert torch.equal(bits(corr)[~written], corr_before[~written])
     assert torch.equal(bits(kg)[~written], kg_before[~written])
-
-
-def test_vllm_entry_point_rejects_the_unbounded_gate() -> None:
-    inputs = make_verify_inputs(2, H, Q, device="cuda", seed=SEED)
-    t = inputs["qkv"].shape[0]
-    x = torch.zeros(1, t, H, 128, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match="lower_bound"):
-        kda_recoverssm_verify(x, x, x, x, x[..., 0], inputs["a_log"], inputs["dt_bias"], None,
-                              inputs["state"], inputs["corr"], inputs["kg"],
-                              inputs["query_start"], inputs["slots"], Q)  # fmt: skip
 
 
 def test_the_steepest_allowed_decay_keeps_the_check_bounds() -> None:
@@ -137,17 +128,19 @@ def test_run_time_uses_the_committed_table(kernel: str, contract: dict, batch: i
     assert how == "exact" and entry is not None and chosen.name == entry.variant
 
 
-def test_spec_decode_loop_verify_accept_commit() -> None:
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_spec_decode_loop_verify_accept_commit(lower_bound: float | None) -> None:
     """Kernels verify -> accept -> commit -> verify ... back to back on one stream (PDL on)
     track the fp64 reference of the same loop: outputs every step, the state at the end."""
     gen = torch.Generator().manual_seed(SEED)
-    inputs = make_verify_inputs(16, H, Q, device="cuda", seed=SEED, ragged=False, nulls=True)
+    inputs = make_verify_inputs(16, H, Q, device="cuda", seed=SEED, ragged=False, nulls=True,
+                                lower_bound=lower_bound)  # fmt: skip
     ref = clone_inputs(inputs)
     ref["state"] = ref["state"].double()
     for step in range(4):
         if step:  # fresh activations, same pool and slots
             fresh = make_verify_inputs(16, H, Q, device="cuda", seed=SEED + step, ragged=False,
-                                       nulls=True)  # fmt: skip
+                                       nulls=True, lower_bound=lower_bound)  # fmt: skip
             for key in ("qkv", "raw_g", "raw_beta"):
                 inputs[key].copy_(fresh[key])
                 ref[key].copy_(fresh[key])

@@ -294,11 +294,11 @@ def verify_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, A
 
 def verify_launch(inputs: dict[str, Any], variant: Variant) -> Callable[[], None]:
     """kdagen's verify on one input set, as a no-argument launch."""
-    from kdagen.serve.runtime import verify
+    from kdagen.serve.runtime import run_verify
     from kdagen.testing import lower_bound_for, verify_args
 
-    args = verify_args(inputs) | {"lower_bound": lower_bound_for(variant.gate)}
-    return lambda: verify(**args, variant=variant)
+    args = verify_args(inputs).with_(lower_bound=lower_bound_for(variant.gate))
+    return lambda: run_verify(args, variant=variant)
 
 
 def flashinfer_args(inputs: dict[str, Any]) -> tuple[Any, ...]:

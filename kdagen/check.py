@@ -14,6 +14,7 @@ import torch
 
 from kdagen import first_use, reference
 from kdagen.cases import CHECK_CASES, SOFTPLUS_CASES, CommitCase, make_commit_inputs, pool_of
+from kdagen.serve.contract import CommitArgs
 from kdagen.serve.variant import Variant
 from kdagen.testing import lower_bound_for
 
@@ -71,7 +72,7 @@ def touched_mask(inputs: dict[str, object]) -> torch.Tensor:
 
 
 def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult:
-    from kdagen.serve.runtime import commit
+    from kdagen.serve.runtime import run_commit
 
     slot_dtype = torch.int32 if variant.slot_dtype == "int32" else torch.int64
     inputs = make_commit_inputs(case, variant.heads, variant.window, slot_dtype, seed,
@@ -80,16 +81,16 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
     assert isinstance(state, torch.Tensor)
     before = pool_of(state).clone()
     expected = state.double()  # compact fp64 copy; the reference writes it in place
-    ref_inputs = dict(inputs, state=expected)
-    reference.commit(**ref_inputs, compute_dtype=torch.float64)  # type: ignore[arg-type]
+    args = CommitArgs(**inputs)  # type: ignore[arg-type]
+    reference.commit(args.with_(state=expected), compute_dtype=torch.float64)
 
     result = CaseResult(variant.name, case.name, 0.0, 0.0, 0.0, True, True)
     try:
-        commit(**inputs, variant=variant)  # type: ignore[arg-type]
+        run_commit(args, variant=variant)
         torch.cuda.synchronize()
         first = pool_of(state).clone()
         pool_of(state).copy_(before)  # again from the same start: bit-identical?
-        commit(**inputs, variant=variant)  # type: ignore[arg-type]
+        run_commit(args, variant=variant)
         torch.cuda.synchronize()
     except Exception as err:  # a launch error is a failed check, not a crash of the run
         result.error = f"{type(err).__name__}: {err}"[:300]

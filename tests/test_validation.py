@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kdagen.cases import CHECK_CASES, make_commit_inputs
+from kdagen.serve.contract import CommitArgs
 from kdagen.serve.runtime import validate_commit
 from kdagen.serve.validate import KdaInputError
 
@@ -17,18 +18,18 @@ def _inputs(**changes: object) -> dict[str, object]:
 
 
 def _validate(inputs: dict[str, object], **kwargs: object):
-    return validate_commit(**inputs, require_cuda=False, **kwargs)  # type: ignore[arg-type]
+    return validate_commit(CommitArgs(**inputs), require_cuda=False, **kwargs)  # type: ignore[arg-type]
 
 
 def test_good_inputs_pass_and_resolve_a_variant() -> None:
     launch = _validate(_inputs())
     assert launch.variant.contract_key == "commit-h2-q4-i32"
-    assert launch.batch == 37 and launch.slot_stride == 2 * 128 * 128 + 512
+    assert launch.batch == 37 and launch.args.state.stride(0) == 2 * 128 * 128 + 512
 
 
 def test_cpu_state_is_refused_when_a_gpu_launch_is_asked_for() -> None:
     with pytest.raises(KdaInputError, match="`state` must be on a CUDA device, got cpu"):
-        validate_commit(**_inputs())  # type: ignore[arg-type]
+        validate_commit(CommitArgs(**_inputs()))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -43,19 +43,18 @@ def test_commit_variant_matches_reference(name: str) -> None:
 
 
 def test_commit_graph_replay_equals_eager() -> None:
-    from kdagen.serve.runtime import commit
+    from kdagen.serve.runtime import run_commit
 
     variant = Variant(kernel="commit", heads=12, window=4, row_split=2)
-    inputs = make_commit_inputs(CHECK_CASES[2], 12, 4, seed=SEED)
-    state = inputs["state"]
-    assert isinstance(state, torch.Tensor)
+    args = make_commit_inputs(CHECK_CASES[2], 12, 4, seed=SEED)
+    state = args.state
     start = pool_of(state).clone()
-    commit(**inputs, variant=variant)  # eager (also compiles before capture)
+    run_commit(args, variant=variant)  # eager (also compiles before capture)
     eager = pool_of(state).clone()
     pool_of(state).copy_(start)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        commit(**inputs, variant=variant)
+        run_commit(args, variant=variant)
     pool_of(state).copy_(start)  # capture does not run the kernel; start again anyway
     graph.replay()
     torch.cuda.synchronize()

@@ -57,14 +57,13 @@ class VerifyArgs:
     conv_dim_first: bool = False
 
     @classmethod
-    def from_qkv(cls, qkv: torch.Tensor, *args: Any, op: str = "kdagen.verify",
-                 **kwargs: Any) -> VerifyArgs:  # fmt: skip
+    def from_qkv(cls, qkv: torch.Tensor, *args: Any, **kwargs: Any) -> VerifyArgs:
         """The arguments with q, k, v the column blocks of ``qkv`` [T, 3*H*128] (views);
         ``args``, ``kwargs``: the other fields, in ``kdagen.verify``'s order."""
         width = qkv.shape[-1] // 3 if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else 0
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != 3 * width:
             shape = list(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-            raise KdaInputError(f"{op}: `qkv` must have shape [T, 3*H*128], got {shape}")
+            raise KdaInputError(f"kdagen.verify: `qkv` must have shape [T, 3*H*128], got {shape}")
         q, k, v = qkv[:, :width], qkv[:, width : 2 * width], qkv[:, 2 * width :]
         return cls(q, k, v, *args, **kwargs)
 

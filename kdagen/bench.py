@@ -28,6 +28,7 @@ import torch
 from kdagen import first_use
 from kdagen.cases import POOL_PAD, CommitCase, make_commit_inputs
 from kdagen.emulate import relative_errors
+from kdagen.serve.contract import CommitArgs
 from kdagen.serve.variant import Variant
 
 first_use.enable()  # the launches here compile their kernels on first use
@@ -114,15 +115,11 @@ def commit_footprint(batch: int, heads: int, window: int) -> int:
     return batch * heads * per_item + batch * 8
 
 
-def torch_commit(inputs: dict[str, object]) -> None:
+def torch_commit(args: CommitArgs) -> None:
     """The same update in plain torch (gather, fp32 math, scatter): the baseline peer.
     Assumes no null slots and accepted > 0 (the benchmark case), so it needs no host sync."""
-    state, corr, kg = inputs["state"], inputs["corr"], inputs["kg"]
-    a_log, dt_bias, slots, accepted = (inputs[k] for k in ("a_log", "dt_bias", "slots", "accepted"))
-    assert isinstance(state, torch.Tensor) and isinstance(corr, torch.Tensor)
-    assert isinstance(kg, torch.Tensor) and isinstance(slots, torch.Tensor)
-    assert isinstance(accepted, torch.Tensor) and isinstance(a_log, torch.Tensor)
-    assert isinstance(dt_bias, torch.Tensor)
+    state, corr, kg, slots, accepted = args.state, args.corr, args.kg, args.slots, args.accepted
+    a_log, dt_bias = args.a_log, args.dt_bias
     batch, heads, window = slots.shape[0], state.shape[1], corr.shape[2]
     idx = slots.long()
     rows = kg[:batch].float()
@@ -130,11 +127,11 @@ def torch_commit(inputs: dict[str, object]) -> None:
     live = live[:, None, :, None]
     rate = torch.exp(a_log)[None, :, None, None]
     x = rows[..., K:] + dt_bias.view(1, heads, 1, K)
-    bound = inputs["lower_bound"]
+    bound = args.lower_bound
     if bound is None:  # Kimi-Linear's softplus gate
         log_gate = -rate * torch.nn.functional.softplus(x, threshold=20.0)
     else:
-        log_gate = float(bound) * torch.sigmoid(rate * x)  # type: ignore[arg-type]
+        log_gate = bound * torch.sigmoid(rate * x)
     gate = torch.where(live, log_gate, 0.0)
     log_decay = gate.cumsum(dim=2)
     last = log_decay[:, :, -1:, :]
@@ -146,7 +143,7 @@ def torch_commit(inputs: dict[str, object]) -> None:
     state[idx] = new.to(state.dtype)
 
 
-def commit_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, object]]:
+def commit_sets(variant: Variant, batch: int, seed: int = 0) -> list[CommitArgs]:
     """The commit input sets of one measurement: enough to keep L2 cold."""
     heads, window = variant.heads, variant.window
     from kdagen.testing import lower_bound_for
@@ -192,7 +189,7 @@ def bench_commit(
     seed: int = 0,
 ) -> list[CommitBenchRow]:
     """Every variant (of one contract key) at every batch size; rows in that order."""
-    from kdagen.serve.runtime import commit
+    from kdagen.serve.runtime import run_commit
 
     rows: list[CommitBenchRow] = []
     heads, window = variants[0].heads, variants[0].window
@@ -203,7 +200,7 @@ def bench_commit(
         if with_torch:
             torch_us = time_graph([lambda s=s: torch_commit(s) for s in sets]).median_us
         for v in variants:
-            t = time_graph([lambda s=s, v=v: commit(**s, variant=v) for s in sets])  # type: ignore[misc]
+            t = time_graph([lambda s=s, v=v: run_commit(s, variant=v) for s in sets])
             rows.append(
                 CommitBenchRow(
                     heads, window, batch, v.name, round(t.median_us, 3), round(t.p10_us, 3),
@@ -294,11 +291,11 @@ def verify_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, A
 
 def verify_launch(inputs: dict[str, Any], variant: Variant) -> Callable[[], None]:
     """kdagen's verify on one input set, as a no-argument launch."""
-    from kdagen.serve.runtime import verify
+    from kdagen.serve.runtime import run_verify
     from kdagen.testing import lower_bound_for, verify_args
 
-    args = verify_args(inputs) | {"lower_bound": lower_bound_for(variant.gate)}
-    return lambda: verify(**args, variant=variant)
+    args = verify_args(inputs).with_(lower_bound=lower_bound_for(variant.gate))
+    return lambda: run_verify(args, variant=variant)
 
 
 def flashinfer_args(inputs: dict[str, Any]) -> tuple[Any, ...]:
@@ -439,10 +436,12 @@ def floor_us(variant: Variant, batch: int, bandwidth: float) -> float:
     return moved_bytes(variant, batch) / bandwidth * 1e6
 
 
-_SETS: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+# One measurement's input sets: commit's arguments, or verify's inputs (``make_verify_inputs``).
+InputSets = list[CommitArgs] | list[dict[str, Any]]
+_SETS: dict[tuple[str, str, int, int], InputSets] = {}
 
 
-def study_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, Any]]:
+def study_sets(variant: Variant, batch: int, seed: int = 0) -> InputSets:
     """The input sets of ``variant``'s contract at ``batch``, kept for the next call with the
     same contract, batch and seed: a tuner times every candidate of a study (and the peer) on
     one set of inputs instead of rebuilding up to 64 sets per candidate. One entry is kept."""
@@ -459,9 +458,9 @@ def time_variant(variant: Variant, batch: int, seed: int = 0) -> Timing:
     """Cold-L2 graph timing of one variant at one batch size (the study's input sets)."""
     sets = study_sets(variant, batch, seed)
     if variant.kernel == "commit":
-        from kdagen.serve.runtime import commit
+        from kdagen.serve.runtime import run_commit
 
-        return time_graph([lambda s=s: commit(**s, variant=variant) for s in sets])  # type: ignore[misc]
+        return time_graph([lambda s=s: run_commit(s, variant=variant) for s in sets])
     return time_graph([verify_launch(s, variant) for s in sets])
 
 

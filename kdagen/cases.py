@@ -1,7 +1,7 @@
 """Random commit inputs for checks and benchmarks: realistic values, never zeros.
 
-Each case is a plain dict of the tensors and scalars ``kdagen.serve.runtime.commit`` takes, built
-on any device from a seed. Edge cases are switches, so the check can name what it covered.
+Each case gives the ``CommitArgs`` of one ``kdagen.serve.runtime.commit``, built on any device
+from a seed. Edge cases are switches, so the check can name what it covered.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kdagen.serve.contract import CommitArgs
 
 K = 128
 POOL_PAD = 512  # elements of padding after each slot, as in a vLLM cache page
@@ -55,8 +57,8 @@ def make_commit_inputs(
     seed: int = 0,
     device: str | torch.device = "cuda",
     lower_bound: float | None = -5.0,
-) -> dict[str, object]:
-    """Inputs for ``commit``: a padded-stride bf16 pool with more slots than requests, slots a
+) -> CommitArgs:
+    """Arguments for ``commit``: a padded-stride bf16 pool with more slots than requests, slots a
     random permutation (out of order), rows t >= accepted of corr/kg poisoned with NaN (the
     kernel must not read them)."""
     dev = torch.device(device)
@@ -97,17 +99,10 @@ def make_commit_inputs(
     unused = torch.arange(window, device=dev)[None, :] >= row_accepted[:, None]  # [rows, Q]
     corr[unused[:, None, :, None].expand_as(corr)] = float("nan")
     kg[unused[:, None, :, None].expand_as(kg)] = float("nan")
-    return {
-        "state": state,
-        "corr": corr,
-        "kg": kg,
-        "a_log": rand(heads) * 2 - 1,
-        "dt_bias": randn(heads * K, std=0.5),
-        "slots": slots,
-        "accepted": accepted,
-        "lower_bound": lower_bound,
-        "null_slot": case.null_slot,
-    }
+    return CommitArgs(
+        state, corr, kg, rand(heads) * 2 - 1, randn(heads * K, std=0.5), slots, accepted,
+        lower_bound, case.null_slot,
+    )  # fmt: skip
 
 
 def pool_of(state: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from kdagen import first_use, reference
 from kdagen.cases import CHECK_CASES, SOFTPLUS_CASES, CommitCase, make_commit_inputs, pool_of
+from kdagen.serve.contract import CommitArgs
 from kdagen.serve.variant import Variant
 from kdagen.testing import lower_bound_for
 
@@ -57,39 +58,34 @@ class CaseResult:
         )
 
 
-def touched_mask(inputs: dict[str, object]) -> torch.Tensor:
+def touched_mask(args: CommitArgs) -> torch.Tensor:
     """[slots] bool: slots the contract lets commit write (live request: a slot inside the
     pool above the null slot, accepted > 0)."""
-    state, slots, accepted = inputs["state"], inputs["slots"], inputs["accepted"]
-    assert isinstance(state, torch.Tensor) and isinstance(slots, torch.Tensor)
-    assert isinstance(accepted, torch.Tensor)
-    slot = slots.long()
-    live = (slot > int(inputs["null_slot"])) & (slot < state.shape[0]) & (accepted > 0)  # type: ignore[arg-type]
+    state, slot = args.state, args.slots.long()
+    live = (slot > args.null_slot) & (slot < state.shape[0]) & (args.accepted > 0)
     mask = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
     mask[slot[live]] = True
     return mask
 
 
 def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult:
-    from kdagen.serve.runtime import commit
+    from kdagen.serve.runtime import run_commit
 
     slot_dtype = torch.int32 if variant.slot_dtype == "int32" else torch.int64
-    inputs = make_commit_inputs(case, variant.heads, variant.window, slot_dtype, seed,
-                                lower_bound=lower_bound_for(variant.gate))  # fmt: skip
-    state = inputs["state"]
-    assert isinstance(state, torch.Tensor)
+    args = make_commit_inputs(case, variant.heads, variant.window, slot_dtype, seed,
+                              lower_bound=lower_bound_for(variant.gate))  # fmt: skip
+    state = args.state
     before = pool_of(state).clone()
     expected = state.double()  # compact fp64 copy; the reference writes it in place
-    ref_inputs = dict(inputs, state=expected)
-    reference.commit(**ref_inputs, compute_dtype=torch.float64)  # type: ignore[arg-type]
+    reference.commit(args.with_(state=expected), compute_dtype=torch.float64)
 
     result = CaseResult(variant.name, case.name, 0.0, 0.0, 0.0, True, True)
     try:
-        commit(**inputs, variant=variant)  # type: ignore[arg-type]
+        run_commit(args, variant=variant)
         torch.cuda.synchronize()
         first = pool_of(state).clone()
         pool_of(state).copy_(before)  # again from the same start: bit-identical?
-        commit(**inputs, variant=variant)  # type: ignore[arg-type]
+        run_commit(args, variant=variant)
         torch.cuda.synchronize()
     except Exception as err:  # a launch error is a failed check, not a crash of the run
         result.error = f"{type(err).__name__}: {err}"[:300]
@@ -97,7 +93,7 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
     after = pool_of(state)
     result.deterministic = bool(torch.equal(first.view(torch.int16), after.view(torch.int16)))
 
-    touched = touched_mask(inputs)
+    touched = touched_mask(args)
     width = state.shape[1] * state.shape[2] * state.shape[3]
     pad_region = after[:, width:]
     result.untouched_ok = bool(

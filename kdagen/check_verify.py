@@ -133,10 +133,9 @@ def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]
 
 
 def run_kernel(inputs: dict[str, Any], variant: Variant, counter: torch.Tensor) -> None:
-    from kdagen.serve.runtime import verify
+    from kdagen.serve.runtime import run_verify
 
-    args = verify_args(inputs)
-    verify(**args, counter=counter, variant=variant)
+    run_verify(verify_args(inputs), counter=counter, variant=variant)
 
 
 def expected_outputs(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +143,7 @@ def expected_outputs(inputs: dict[str, Any]) -> dict[str, Any]:
     ref = clone_inputs(inputs)
     ref["out"] = torch.zeros(ref["out"].shape, dtype=torch.float64, device=ref["out"].device)
     ref["corr"] = torch.zeros(ref["corr"].shape, dtype=torch.float64, device=ref["out"].device)
-    reference.verify(**verify_args(ref), compute_dtype=torch.float64)
+    reference.verify(verify_args(ref), compute_dtype=torch.float64)
     return ref
 
 

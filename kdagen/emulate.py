@@ -35,8 +35,8 @@ from kdagen.reference import (
     conv_window_outputs,
     fma_f32,
     request_layout,
-    validate_verify,
 )
+from kdagen.serve.contract import VerifyArgs, check_verify
 
 __all__ = [
     "EXPECTED_ERROR",
@@ -296,56 +296,38 @@ def _store(
 # --------------------------------------------------------------------------- verify
 
 
-def verify_like_sm100(
-    qkv: Tensor,
-    raw_g: Tensor,
-    raw_beta: Tensor,
-    a_log: Tensor,
-    dt_bias: Tensor,
-    state: Tensor,
-    query_start: Tensor,
-    slots: Tensor,
-    out: Tensor,
-    corr: Tensor,
-    kg: Tensor,
-    *,
-    lower_bound: float | None,
-    null_slot: int,
-    conv_state: Tensor | None = None,
-    conv_w: Tensor | None = None,
-    accepted: Tensor | None = None,
-    conv_dim_first: bool = False,
-) -> None:
-    """Same contract and in-place writes as ``kdagen.reference.verify`` (same argument names),
-    computed like the sm100 kernel: fp32 throughout, gates cumulated token by token, norms and
+def verify_like_sm100(args: VerifyArgs) -> None:
+    """Same contract, checks and in-place writes as ``kdagen.reference.verify``, computed
+    like the sm100 kernel: fp32 throughout, gates cumulated token by token, norms and
     coupling scalars summed with the kernel's warp trees, ``S0 @ [p | r]`` from bf16 hi/lo probe
     halves accumulated in fp32, and the seed's forward solve. ``state`` must be bf16 (the kernel
     feeds it to the tensor cores as is). See the module docstring for what is not bit-exact."""
-    conv = (conv_state, conv_w, accepted)
+    check_verify(args, op="kdagen.emulate.verify_like_sm100", require_cuda=False,
+                 float_results=True)  # fmt: skip
+    qkv, state, slots, corr = args.qkv, args.state, args.slots, args.corr
+    a_log, lower_bound = args.a_log, args.lower_bound
+    conv = (args.conv_state, args.conv_w, args.accepted)
     heads, window, batch = a_log.shape[0], corr.shape[2], slots.shape[0]
-    validate_verify(
-        qkv, raw_g, raw_beta, a_log, dt_bias, state, out, corr, kg, batch, conv, conv_dim_first
-    )
     if state.dtype != BF16:  # the tensor cores read the pool as it is
         raise ValueError(f"state: expected bf16 (the kernel's pool dtype), got {state.dtype}")
-    req = request_layout(query_start, slots, null_slot, window, qkv.shape[0])
+    req = request_layout(args.query_start, slots, args.null_slot, window, qkv.shape[0])
     if batch == 0 or not req.tokens.any():
         return
     check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
     if conv[0] is not None:
         check_live_slots("slots", req.slot, req.live, conv[0].shape[0], unique=True)
-    mixed = _activations(qkv, req, None if conv[0] is None else conv, conv_dim_first)
+    mixed = _activations(qkv, req, None if conv[0] is None else conv, args.conv_dim_first)
 
     def heads_first(x: Tensor) -> Tensor:  # [B, Q, H*K] -> [B, H, Q, K]
         return x.unflatten(-1, (heads, K)).transpose(1, 2)
 
     here = req.tokens[:, None, :, None]  # [B, 1, Q, 1]
     q, k, v = (heads_first(x) for x in mixed.chunk(3, dim=-1))
-    g_raw = heads_first(raw_g[req.rows])
-    logs, decay = _log_decay(g_raw, a_log, dt_bias, lower_bound)
+    g_raw = heads_first(args.raw_g[req.rows])
+    logs, decay = _log_decay(g_raw, a_log, args.dt_bias, lower_bound)
     q_n = _normalise(torch.where(here, q, 0.0), scale=K**-0.5)
     k_n = _normalise(torch.where(here, k, 0.0))
-    beta = _sigmoid(raw_beta[req.rows].float()).transpose(1, 2)  # [B, H, Q]
+    beta = _sigmoid(args.raw_beta[req.rows].float()).transpose(1, 2)  # [B, H, Q]
     beta = torch.where(req.tokens[:, None, :], beta, 0.0)
     p, r = decay * k_n, decay * q_n
     proj = _project(state[req.slot], torch.cat([p, r], dim=-2))
@@ -357,4 +339,4 @@ def verify_like_sm100(
         c, d = _couplings(torch.exp(-logs) * k_n, p, r)
     u, o = _solve(v.float(), beta, proj, c, d)
     record = torch.cat([k, g_raw], dim=-1).transpose(1, 2)  # [B, Q, H, 2K], bf16
-    _store(req, u, o, record, out, corr, kg)
+    _store(req, u, o, record, args.out, corr, args.kg)

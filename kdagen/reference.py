@@ -19,10 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kdagen.serve.contract import CommitArgs, VerifyArgs, check_commit, check_verify
+
 K = 128  # head dim
 V = K  # value dim
 CONV_WIDTH = 4  # taps of the short convolution; the history holds CONV_WIDTH - 1 tokens
 NORM_EPS = 1e-6  # added to the sum of squares before the square root
+VERIFY_OP, COMMIT_OP = "kdagen.reference.verify", "kdagen.reference.commit"
 
 __all__ = [
     "CONV_WIDTH",
@@ -61,11 +64,6 @@ def _check_shape(name: str, t: Tensor, expected: tuple[int, ...]) -> None:
 def _check_dtype(name: str, t: Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         _fail(name, "dtype in", allowed, t.dtype)
-
-
-def _check_float(name: str, t: Tensor) -> None:
-    if not t.is_floating_point():
-        _fail(name, "a floating dtype, not", "", t.dtype)
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -334,97 +332,21 @@ def _convolve_and_roll(
 # --------------------------------------------------------------------------- verify
 
 
-def validate_verify(
-    qkv: Tensor,
-    raw_g: Tensor,
-    raw_beta: Tensor,
-    a_log: Tensor,
-    dt_bias: Tensor,
-    state: Tensor,
-    out: Tensor,
-    corr: Tensor,
-    kg: Tensor,
-    batch: int,
-    conv: tuple[Tensor | None, Tensor | None, Tensor | None],
-    conv_dim_first: bool,
-) -> None:
-    """Shapes and dtypes of verify's tensors (raises ValueError naming the tensor)."""
-    heads, window = a_log.shape[0], corr.shape[2]
-    tokens = qkv.shape[0]
-    _check_shape("qkv", qkv, (tokens, 3 * heads * K))
-    _check_dtype("qkv", qkv, (torch.bfloat16,))
-    _check_shape("raw_g", raw_g, (tokens, heads * K))
-    _check_dtype("raw_g", raw_g, (torch.bfloat16,))
-    _check_shape("raw_beta", raw_beta, (tokens, heads))
-    _check_float("raw_beta", raw_beta)
-    _check_shape("a_log", a_log, (heads,))
-    _check_float("a_log", a_log)
-    _check_shape("dt_bias", dt_bias, (heads * K,))
-    _check_float("dt_bias", dt_bias)
-    _check_shape("state", state, (state.shape[0], heads, V, K))
-    _check_float("state", state)
-    _check_shape("out", out, (tokens, heads * V))
-    _check_float("out", out)
-    if not 1 <= window <= 8:
-        _fail("corr", "window (dim 2) in", "[1, 8]", window)
-    if corr.dim() != 4 or corr.shape[0] < batch:
-        _fail("corr", "shape", f"[>={batch}, {heads}, Q, {V}]", tuple(corr.shape))
-    _check_shape("corr", corr, (corr.shape[0], heads, window, V))
-    _check_float("corr", corr)
-    if kg.dim() != 4 or kg.shape[0] < batch:
-        _fail("kg", "shape", f"[>={batch}, {heads}, {window}, {2 * K}]", tuple(kg.shape))
-    _check_shape("kg", kg, (kg.shape[0], heads, window, 2 * K))
-    _check_dtype("kg", kg, (torch.bfloat16,))
-    conv_state, conv_w, accepted = conv
-    if conv_state is None:
-        return
-    if conv_w is None or accepted is None:
-        raise ValueError("conv_state given: conv_w and accepted are required too")
-    channels = 3 * heads * K
-    rows = (channels, window + 2) if conv_dim_first else (window + 2, channels)
-    _check_shape("conv_state", conv_state, (conv_state.shape[0], *rows))
-    _check_dtype("conv_state", conv_state, (torch.bfloat16,))
-    _check_shape("conv_w", conv_w, (channels, CONV_WIDTH))
-    _check_dtype("conv_w", conv_w, (torch.bfloat16, torch.float32))
-    _check_shape("accepted", accepted, (batch,))
-    _check_dtype("accepted", accepted, _INDEX_DTYPES)
-
-
-def verify(
-    qkv: Tensor,
-    raw_g: Tensor,
-    raw_beta: Tensor,
-    a_log: Tensor,
-    dt_bias: Tensor,
-    state: Tensor,
-    query_start: Tensor,
-    slots: Tensor,
-    out: Tensor,
-    corr: Tensor,
-    kg: Tensor,
-    *,
-    lower_bound: float | None,
-    null_slot: int,
-    conv_state: Tensor | None = None,
-    conv_w: Tensor | None = None,
-    accepted: Tensor | None = None,
-    conv_dim_first: bool = False,
-    compute_dtype: torch.dtype = torch.float64,
-) -> None:
+def verify(args: VerifyArgs, *, compute_dtype: torch.dtype = torch.float64) -> None:
     """Writes in place, exactly the elements the contract allows and nothing else:
     out[T, H*V], corr[rows, H, Q, V], kg[rows, H, Q, 2K] (request b -> row b), and, with conv
     (conv_state is not None), rolls conv_state in place. heads H = a_log.shape[0],
-    window Q = corr.shape[2], B = slots.shape[0]. out/corr may be given in any float dtype
-    (bf16/fp32/fp64): values are computed in compute_dtype and cast on store, so fp64 buffers keep
-    unrounded results. kg is always bf16 and must be bit-exact (k post-conv as bf16, then raw_g).
-    conv weight dtype (bf16 or fp32 taps) is taken from conv_w.dtype; conv_dim_first selects the
-    [slots, 3HK, Q+2] conv-state layout, else token-major [slots, Q+2, 3HK]."""
-    heads, window, batch = a_log.shape[0], corr.shape[2], slots.shape[0]
-    conv = (conv_state, conv_w, accepted)
-    validate_verify(
-        qkv, raw_g, raw_beta, a_log, dt_bias, state, out, corr, kg, batch, conv, conv_dim_first
-    )
-    req = request_layout(query_start, slots, null_slot, window, qkv.shape[0])
+    window Q = corr.shape[2], B = slots.shape[0]. state, out and corr may be given in any float
+    dtype (bf16/fp32/fp64): values are computed in compute_dtype and cast on store, so fp64
+    buffers keep unrounded results. kg is always bf16 and must be bit-exact (k post-conv as
+    bf16, then raw_g). conv weight dtype (bf16 or fp32 taps) is taken from conv_w.dtype;
+    conv_dim_first selects the [slots, 3HK, Q+2] conv-state layout, else token-major
+    [slots, Q+2, 3HK]. The arguments pass the run-time's checks (``check_verify``)."""
+    check_verify(args, op=VERIFY_OP, require_cuda=False, float_results=True)
+    qkv, raw_g, a_log, state = args.qkv, args.raw_g, args.a_log, args.state
+    conv_state = args.conv_state
+    heads, window, batch = a_log.shape[0], args.corr.shape[2], args.slots.shape[0]
+    req = request_layout(args.query_start, args.slots, args.null_slot, window, qkv.shape[0])
     if batch == 0 or not req.tokens.any():
         return
     check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
@@ -433,7 +355,9 @@ def verify(
     raw = torch.where(here, qkv[req.rows], 0.0)  # [B, Q, 3HK] bf16
     if conv_state is not None:
         check_live_slots("slots", req.slot, req.live, conv_state.shape[0], unique=True)
-        mixed = _convolve_and_roll(raw, req, conv_state, conv_w, accepted, conv_dim_first)
+        mixed = _convolve_and_roll(
+            raw, req, conv_state, args.conv_w, args.accepted, args.conv_dim_first
+        )
         mixed = torch.where(here, mixed, 0.0)  # outputs past qlen exist only as zeros
     else:
         mixed = raw
@@ -442,12 +366,14 @@ def verify(
     g_raw = torch.where(here, raw_g[req.rows], 0.0).view(batch, window, heads, K)
 
     here4 = here[..., None]  # [B, Q, 1, 1]
-    g_cum = torch.where(here4, gate(g_raw, a_log, dt_bias, lower_bound, compute_dtype), 0.0)
+    g_cum = torch.where(
+        here4, gate(g_raw, a_log, args.dt_bias, args.lower_bound, compute_dtype), 0.0
+    )
     g_cum = g_cum.cumsum(dim=1)
     k_n = l2_normalise(k_raw, compute_dtype)
     q_n = l2_normalise(mixed[:, :, 0], compute_dtype, scale=K**-0.5)
     v = mixed[:, :, 2].to(compute_dtype)
-    beta = torch.where(here, torch.sigmoid(raw_beta[req.rows].to(compute_dtype)), 0.0)
+    beta = torch.where(here, torch.sigmoid(args.raw_beta[req.rows].to(compute_dtype)), 0.0)
 
     def heads_first(x: Tensor) -> Tensor:  # [B, Q, H, ...] -> [B, H, Q, ...]
         return x.transpose(1, 2)
@@ -461,7 +387,7 @@ def verify(
         heads_first(beta),
         heads_first(g_cum),
     )
-    _store_verify(req, u, o, k_raw, g_raw, out, corr, kg)
+    _store_verify(req, u, o, k_raw, g_raw, args.out, args.corr, args.kg)
 
 
 def _store_verify(
@@ -628,42 +554,18 @@ def commit_layers(
         state[plan.final[live]] = final.to(state.dtype)
 
 
-def commit(
-    state: Tensor,
-    corr: Tensor,
-    kg: Tensor,
-    a_log: Tensor,
-    dt_bias: Tensor,
-    slots: Tensor,
-    accepted: Tensor,
-    *,
-    lower_bound: float | None,
-    null_slot: int,
-    compute_dtype: torch.dtype = torch.float64,
-) -> None:
+def commit(args: CommitArgs, *, compute_dtype: torch.dtype = torch.float64) -> None:
     """Folds the accepted prefix into state[slot, h] in place (cast to state.dtype): for
     requests whose slot lies in (null_slot, slots) with accepted[b] > 0 (clamped to Q). Other
-    slots untouched. H = state.shape[1], Q = corr.shape[2]; request b reads records row b."""
-    heads, batch = state.shape[1], slots.shape[0]
-    _check_shape("state", state, (state.shape[0], heads, V, K))
-    _check_float("state", state)
-    if corr.dim() != 4 or corr.shape[0] < batch:
-        _fail("corr", "shape", f"[>={batch}, {heads}, Q, {V}]", tuple(corr.shape))
-    window = corr.shape[2]
-    _check_shape("corr", corr, (corr.shape[0], heads, window, V))
-    _check_float("corr", corr)
-    if kg.dim() != 4 or kg.shape[0] < batch:
-        _fail("kg", "shape", f"[>={batch}, {heads}, {window}, {2 * K}]", tuple(kg.shape))
-    _check_shape("kg", kg, (kg.shape[0], heads, window, 2 * K))
-    _check_shape("a_log", a_log, (heads,))
-    _check_shape("dt_bias", dt_bias, (heads * K,))
-    _check_dtype("slots", slots, _INDEX_DTYPES)
-    _check_shape("accepted", accepted, (batch,))
-    _check_dtype("accepted", accepted, _INDEX_DTYPES)
+    slots untouched. H = state.shape[1], Q = corr.shape[2]; request b reads records row b.
+    state and corr may be any float dtype; otherwise the run-time's checks
+    (``check_commit``)."""
+    check_commit(args, op=COMMIT_OP, require_cuda=False, float_results=True)
+    state, corr = args.state, args.corr
     plan = commit_plan(
-        slots, accepted, null_slot=null_slot, slot_count=state.shape[0], window=window,
-        rows=corr.shape[0],
+        args.slots, args.accepted, null_slot=args.null_slot, slot_count=state.shape[0],
+        window=corr.shape[2], rows=corr.shape[0],
     )  # fmt: skip
     check_live_slots("slots", plan.source, plan.live, state.shape[0], unique=True)
-    commit_layers([state], [corr], [kg], a_log[None], dt_bias[None], plan,
-                  lower_bound=lower_bound, compute_dtype=compute_dtype)  # fmt: skip
+    commit_layers([state], [corr], [args.kg], args.a_log[None], args.dt_bias[None], plan,
+                  lower_bound=args.lower_bound, compute_dtype=compute_dtype)  # fmt: skip

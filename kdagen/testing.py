@@ -7,12 +7,14 @@ hold the poison (or, for buffers with real data such as the state pool, its old 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from kdagen.reference import CONV_WIDTH, K, V
+from kdagen.serve.contract import CommitArgs, VerifyArgs
 from kdagen.serve.variant import Variant
 
 __all__ = [
@@ -54,23 +56,6 @@ POISON_BITS: dict[torch.dtype, int] = {
     torch.int8: -0x5B,
     torch.uint8: 0xA5,
 }
-
-_VERIFY_KEYS = (
-    "qkv",
-    "raw_g",
-    "raw_beta",
-    "a_log",
-    "dt_bias",
-    "state",
-    "query_start",
-    "slots",
-    "out",
-    "corr",
-    "kg",
-    "lower_bound",
-    "null_slot",
-)
-_CONV_KEYS = ("conv_state", "conv_w", "accepted", "conv_dim_first")
 
 
 def bits(t: Tensor) -> Tensor:
@@ -254,18 +239,16 @@ def clone_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     return copy
 
 
-def verify_args(inputs: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for ``reference.verify`` (conv ones only when the inputs have conv)."""
-    args = {k: inputs[k] for k in _VERIFY_KEYS}
-    if inputs.get("conv_state") is not None:
-        args.update({k: inputs[k] for k in _CONV_KEYS})
-    return args
+def verify_args(inputs: dict[str, Any]) -> VerifyArgs:
+    """The ``VerifyArgs`` of ``make_verify_inputs``'s inputs (q, k, v: views of ``qkv``)."""
+    names = [f.name for f in fields(VerifyArgs) if f.name not in ("q", "k", "v")]
+    return VerifyArgs.from_qkv(inputs["qkv"], **{n: inputs[n] for n in names})
 
 
-def commit_args(inputs: dict[str, Any], accepted: Tensor) -> dict[str, Any]:
-    """Keyword arguments for ``reference.commit`` after a verify on ``inputs``."""
-    keys = ("state", "corr", "kg", "a_log", "dt_bias", "slots", "lower_bound", "null_slot")
-    return {**{k: inputs[k] for k in keys}, "accepted": accepted}
+def commit_args(inputs: dict[str, Any], accepted: Tensor) -> CommitArgs:
+    """The ``CommitArgs`` of a commit after a verify on ``inputs``."""
+    names = [f.name for f in fields(CommitArgs) if f.name != "accepted"]
+    return CommitArgs(**{n: inputs[n] for n in names}, accepted=accepted)
 
 
 def _requests(inputs: dict[str, Any]) -> list[tuple[int, int, int, bool]]:

@@ -10,7 +10,7 @@ import torch
 
 from kdagen import first_use
 from kdagen.bench import verify_inputs
-from kdagen.serve.runtime import verify
+from kdagen.serve.runtime import run_verify
 from kdagen.serve.variant import Variant
 from kdagen.testing import verify_args
 
@@ -21,7 +21,7 @@ def main(name: str, batch: int, launches: int = 4) -> None:
     inputs = verify_inputs(variant, batch)
     args = verify_args(inputs)
     for _ in range(launches):
-        verify(**args, variant=variant)
+        run_verify(args, variant=variant)
     torch.cuda.synchronize()
 
 

@@ -299,7 +299,7 @@ def test_flashinfer_args_view_our_inputs_and_index_outputs_by_slot() -> None:
     assert sorted(slots.tolist()) == [1, 2, 3] and slots.dtype == torch.int32
     assert corr.shape == (4, 2, 4, 128) and kg.shape == (4, 2, 4, 256)  # one row per pool slot
 
-    reference.verify(**verify_args(inputs))
+    reference.verify(verify_args(inputs))
     assert all(math.isnan(d) for d in kbench.peer_distance(inputs, args).values())
     rows = slots.long()
     out.view_as(inputs["out"]).copy_(inputs["out"])
@@ -314,6 +314,7 @@ def test_bench_verify_loop_with_cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -
 
     from kdagen import reference
     from kdagen.bench import Timing
+    from kdagen.serve.contract import VerifyArgs
     from kdagen.testing import verify_args
 
     def fake_time(launches):  # type: ignore[no-untyped-def]
@@ -325,19 +326,20 @@ def test_bench_verify_loop_with_cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -
         q, k, v, g, beta, a_log, dt_bias, lb, state, corr, kg, qsl, slots, window, out
     ):  # type: ignore[no-untyped-def]
         tokens, heads, batch = q.shape[1], q.shape[2], slots.shape[0]
-        qkv = torch.cat([t[0].flatten(1) for t in (q, k, v)], 1)
         o = torch.empty(tokens, heads * 128, dtype=torch.bfloat16)
         c = torch.empty(batch, heads, window, 128)
         kk = torch.empty(batch, heads, window, 256, dtype=torch.bfloat16)
-        reference.verify(qkv, g[0].flatten(1), beta[0], a_log, dt_bias, state, qsl, slots, o, c,
-                         kk, lower_bound=lb, null_slot=0)  # fmt: skip
+        q, k, v = (t[0].flatten(1) for t in (q, k, v))
+        args = VerifyArgs(q, k, v, g[0].flatten(1), beta[0], a_log, dt_bias, state, qsl, slots,
+                          o, c, kk, lower_bound=lb, null_slot=0)  # fmt: skip
+        reference.verify(args)
         out.copy_(o.view_as(out))
         corr[slots.long()], kg[slots.long()] = c, kk
 
     monkeypatch.setattr(kbench, "sets_for", lambda size: 2)
     monkeypatch.setattr(kbench, "verify_inputs", partial(kbench.verify_inputs, device="cpu"))
     monkeypatch.setattr(
-        kbench, "verify_launch", lambda s, v: lambda: reference.verify(**verify_args(s))
+        kbench, "verify_launch", lambda s, v: lambda: reference.verify(verify_args(s))
     )
     monkeypatch.setattr(kbench, "time_graph", fake_time)
     monkeypatch.setattr(peers, "flashinfer_verify", lambda: peers.PeerLoad(fake_flashinfer, "x"))

@@ -79,7 +79,7 @@ def _reference(inputs: dict[str, Any]) -> dict[str, Any]:
     ref = clone_inputs(inputs)
     ref["out"] = poison_(torch.empty(inputs["out"].shape, dtype=F64))
     ref["corr"] = poison_(torch.empty(inputs["corr"].shape, dtype=F64))
-    reference.verify(**verify_args(ref), compute_dtype=F64)
+    reference.verify(verify_args(ref), compute_dtype=F64)
     return ref
 
 
@@ -91,7 +91,7 @@ def _emulate(inputs: dict[str, Any], lo_half: bool = True) -> dict[str, Any]:
     if not lo_half:
         emulate._bf16_split = lambda x: (split(x)[0], torch.zeros_like(split(x)[1]))
     try:
-        emulate.verify_like_sm100(**verify_args(emu))
+        emulate.verify_like_sm100(verify_args(emu))
     finally:
         emulate._bf16_split = split
     return emu

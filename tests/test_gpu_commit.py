@@ -10,6 +10,7 @@ import torch
 from kdagen import reference
 from kdagen.cases import CHECK_CASES, make_commit_inputs, pool_of
 from kdagen.check import check_commit
+from kdagen.serve.contract import CommitArgs, VerifyArgs
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
 
@@ -42,19 +43,18 @@ def test_commit_variant_matches_reference(name: str) -> None:
 
 
 def test_commit_graph_replay_equals_eager() -> None:
-    from kdagen.serve.runtime import commit
+    from kdagen.serve.runtime import run_commit
 
     variant = Variant(kernel="commit", heads=12, window=4, row_split=2)
-    inputs = make_commit_inputs(CHECK_CASES[2], 12, 4, seed=SEED)
-    state = inputs["state"]
-    assert isinstance(state, torch.Tensor)
+    args = make_commit_inputs(CHECK_CASES[2], 12, 4, seed=SEED)
+    state = args.state
     start = pool_of(state).clone()
-    commit(**inputs, variant=variant)  # eager (also compiles before capture)
+    run_commit(args, variant=variant)  # eager (also compiles before capture)
     eager = pool_of(state).clone()
     pool_of(state).copy_(start)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        commit(**inputs, variant=variant)
+        run_commit(args, variant=variant)
     pool_of(state).copy_(start)  # capture does not run the kernel; start again anyway
     graph.replay()
     torch.cuda.synchronize()
@@ -83,7 +83,7 @@ def _spec_decode_step_inputs(step: int, batch: int, heads: int, window: int) -> 
 def test_spec_decode_loop_reference_verify_kernel_commit(conv_dim_first: bool) -> None:
     """20 steps of verify (reference, fp32) -> accept -> commit (kernel) on a bf16 pool track
     the same loop run entirely in fp64, and the bf16 loop with the reference commit."""
-    from kdagen.serve.runtime import commit
+    from kdagen.serve.runtime import run_commit
 
     batch, heads, window, steps = 6, 12, 4, 20
     g = torch.Generator().manual_seed(SEED)
@@ -117,17 +117,19 @@ def test_spec_decode_loop_reference_verify_kernel_commit(conv_dim_first: bool) -
             corr = torch.full((batch, heads, window, 128), float("nan"), dtype=dtype, device="cuda")
             kg = torch.zeros(batch, heads, window, 256, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(tok["qkv"].shape[0], heads * 128, dtype=dtype, device="cuda")
-            reference.verify(
+            verify_args = VerifyArgs.from_qkv(
                 tok["qkv"], tok["raw_g"], tok["raw_beta"], a_log, dt_bias, run["state"],
                 tok["query_start"], step_slots, out, corr, kg, lower_bound=-5.0, null_slot=0,
                 conv_state=run["conv"], conv_w=conv_w, accepted=run["accepted"],
-                conv_dim_first=conv_dim_first, compute_dtype=dtype,
+                conv_dim_first=conv_dim_first,
             )  # fmt: skip
-            args = (run["state"], corr, kg, a_log, dt_bias, step_slots, accept)
+            reference.verify(verify_args, compute_dtype=dtype)
+            args = CommitArgs(run["state"], corr, kg, a_log, dt_bias, step_slots, accept,
+                              lower_bound=-5.0, null_slot=0)  # fmt: skip
             if name == "kernel":
-                commit(*args, lower_bound=-5.0, null_slot=0)
+                run_commit(args)
             else:
-                reference.commit(*args, lower_bound=-5.0, null_slot=0, compute_dtype=dtype)
+                reference.commit(args, compute_dtype=dtype)
             live = (step_slots > 0) & (qlen > 0)
             run["accepted"] = torch.where(live, accept, run["accepted"])
     truth = runs["fp64"]["state"]

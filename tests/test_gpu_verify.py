@@ -10,10 +10,17 @@ import torch
 
 from kdagen import reference
 from kdagen.check_verify import VerifyCase, check_verify, run_verify_case
-from kdagen.serve.runtime import commit, verify
+from kdagen.serve.runtime import commit, run_verify
 from kdagen.serve.variant import Variant
 from kdagen.serve.vllm import kda_recoverssm_verify
-from kdagen.testing import bits, clone_inputs, make_verify_inputs, poison_, verify_args
+from kdagen.testing import (
+    bits,
+    clone_inputs,
+    commit_args,
+    make_verify_inputs,
+    poison_,
+    verify_args,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,7 +40,7 @@ def test_vllm_entry_point_gives_the_same_outputs_as_verify(lower_bound: float | 
     ours = clone_inputs(inputs)
     # Both dispatch (same contract and batch, so the same variant): variants may differ in the
     # order of their fp32 sums, so only the same variant gives the same bits.
-    verify(**verify_args(ours))
+    run_verify(verify_args(ours))
 
     tokens, slots = inputs["qkv"].shape[0], inputs["slots"]
     qkv = inputs["qkv"].view(1, tokens, 3, H, 128)
@@ -66,7 +73,7 @@ def test_the_steepest_allowed_decay_keeps_the_check_bounds() -> None:
     flushing; out and corr must still meet the check's bounds against the fp64 reference."""
     from kdagen.check_verify import MAX_RMS, REL_L2
     from kdagen.emulate import relative_errors
-    from kdagen.serve.runtime import MAX_LOG_DECAY
+    from kdagen.serve.contract import MAX_LOG_DECAY
     from kdagen.testing import verify_write_masks
 
     window, batch = 8, 6
@@ -75,8 +82,8 @@ def test_the_steepest_allowed_decay_keeps_the_check_bounds() -> None:
     inputs["raw_g"].fill_(8.0)  # sigmoid ~ 1: G_t = (t + 1) lower_bound
     expected = {k: v.cpu() if isinstance(v, torch.Tensor) else v
                 for k, v in clone_inputs(inputs).items()}  # fmt: skip
-    reference.verify(**verify_args(expected))  # fp64, into expected's out, corr, kg
-    verify(**verify_args(inputs))
+    reference.verify(verify_args(expected))  # fp64, into expected's out, corr, kg
+    run_verify(verify_args(inputs))
     torch.cuda.synchronize()
     masks = verify_write_masks(expected)  # corr's spare row stays poisoned
     for name in ("out", "corr"):
@@ -144,14 +151,12 @@ def test_spec_decode_loop_verify_accept_commit(lower_bound: float | None) -> Non
             for key in ("qkv", "raw_g", "raw_beta"):
                 inputs[key].copy_(fresh[key])
                 ref[key].copy_(fresh[key])
-        verify(**verify_args(inputs))
-        reference.verify(**verify_args(ref), compute_dtype=torch.float64)
+        run_verify(verify_args(inputs))
+        reference.verify(verify_args(ref), compute_dtype=torch.float64)
         accepted = torch.randint(1, Q + 1, (16,), generator=gen, dtype=torch.int32).cuda()
         commit(inputs["state"], inputs["corr"], inputs["kg"], inputs["a_log"], inputs["dt_bias"],
                inputs["slots"], accepted, lower_bound=inputs["lower_bound"])  # fmt: skip
-        reference.commit(ref["state"], ref["corr"], ref["kg"], ref["a_log"], ref["dt_bias"],
-                         ref["slots"], accepted, lower_bound=ref["lower_bound"],
-                         null_slot=ref["null_slot"], compute_dtype=torch.float64)  # fmt: skip
+        reference.commit(commit_args(ref, accepted), compute_dtype=torch.float64)
         torch.cuda.synchronize()
         got, want = inputs["out"].double(), ref["out"].double()
         assert (got - want).norm() <= 1e-2 * want.norm(), f"step {step}, seed {SEED}"

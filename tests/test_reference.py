@@ -19,6 +19,7 @@ from oracle import conv_row, conv_token
 from torch import Tensor
 
 from kdagen import reference
+from kdagen.serve.validate import KdaInputError
 from kdagen.testing import (
     bits,
     clone_inputs,
@@ -164,7 +165,7 @@ def test_verify_matches_recurrence(case: tuple) -> None:
     inp = case_inputs(case, out_dtype=F64, corr_dtype=F64)
     before = clone_inputs(inp)
     want = oracle_verify(before)
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     masks = verify_write_masks(before)
 
     assert_written("out", inp["out"], want["out"], masks["out"], rtol=1e-12)
@@ -204,7 +205,7 @@ def test_verify_bf16_buffers() -> None:
     inp = case_inputs(CASES[1])
     before = clone_inputs(inp)
     want = oracle_verify(before)
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     masks = verify_write_masks(before)
     out_mask = masks["out"]
     assert is_poisoned(inp["out"])[~out_mask].all()
@@ -219,7 +220,7 @@ def test_out_of_request_data_never_leaks() -> None:
     conv rows: live results are unchanged, bit for bit."""
     inp = make_verify_inputs(6, 2, 6, conv=True, null_slot=0, seed=11, out_dtype=F64)
     clean = clone_inputs(inp)
-    reference.verify(**verify_args(clean))
+    reference.verify(verify_args(clean))
     dirty = clone_inputs(inp)
     tail = 3
     for name in ("qkv", "raw_g", "raw_beta", "out"):
@@ -232,7 +233,7 @@ def test_out_of_request_data_never_leaks() -> None:
                 poison_(dirty[name][bos:end])
     poison_(dirty["state_pool"][0])
     poison_(dirty["conv_state"][0])
-    reference.verify(**verify_args(dirty))
+    reference.verify(verify_args(dirty))
     tokens = clean["out"].shape[0]
     assert (bits(dirty["out"][:tokens]) == bits(clean["out"])).all()
     assert is_poisoned(dirty["out"][tokens:]).all()
@@ -246,11 +247,11 @@ def test_window_positions_past_qlen_are_inert() -> None:
     inp = make_verify_inputs(2, 2, 8, conv=True, ragged=False, nulls=False, seed=12)
     inp["query_start"] = torch.tensor([0, 3, 11], dtype=torch.int32)
     first = clone_inputs(inp)
-    reference.verify(**verify_args(first))
+    reference.verify(verify_args(first))
     second = clone_inputs(inp)
     second["qkv"][3:] = -second["qkv"][3:]
     second["raw_g"][3:] += 1
-    reference.verify(**verify_args(second))
+    reference.verify(verify_args(second))
     assert (bits(first["out"][:3]) == bits(second["out"][:3])).all()
     assert (bits(first["corr"][0]) == bits(second["corr"][0])).all()
     assert (bits(first["kg"][0]) == bits(second["kg"][0])).all()
@@ -280,7 +281,7 @@ def test_against_fla_naive_recurrent() -> None:
     naive = load_fla_naive()
     inp = make_verify_inputs(5, 3, 8, seed=21, state_dtype=F64, out_dtype=F64, corr_dtype=F64)
     heads = 3
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     starts, slots = inp["query_start"].tolist(), inp["slots"].tolist()
     checked = 0
     for b, slot in enumerate(slots):
@@ -320,7 +321,7 @@ def test_against_fla_naive_recurrent() -> None:
         state = inp["state"]
         accepted = torch.zeros(len(slots), dtype=torch.int32)
         accepted[b] = qlen
-        reference.commit(**commit_args(inp, accepted))
+        reference.commit(commit_args(inp, accepted))
         torch.testing.assert_close(state[slot], final, rtol=1e-4, atol=1e-5)
         checked += 1
     assert checked >= 2
@@ -360,11 +361,11 @@ def poison_rejected_(inp: dict[str, Any], accepted: Tensor) -> None:
 def test_commit_matches_recurrence(case: tuple) -> None:
     inp = case_inputs(case, state_dtype=F64, corr_dtype=F64)
     want = oracle_verify(clone_inputs(inp))
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     accepted = accept_counts(inp, seed=case[-1])
     poison_rejected_(inp, accepted)
     before = clone_inputs(inp)
-    reference.commit(**commit_args(inp, accepted))
+    reference.commit(commit_args(inp, accepted))
 
     writable = commit_write_mask(before, accepted)
     assert untouched_mask(before["state_pool"], inp["state_pool"])[~writable].all()
@@ -386,10 +387,10 @@ def test_commit_bf16_pool_and_fp32_corr() -> None:
     """Production dtypes: bf16 state pool, fp32 corr; the result is the fp64 truth rounded."""
     inp = case_inputs(CASES[2])
     want = oracle_verify(clone_inputs(inp))
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     accepted = accept_counts(inp, seed=5)
     before = clone_inputs(inp)
-    reference.commit(**commit_args(inp, accepted))
+    reference.commit(commit_args(inp, accepted))
     writable = commit_write_mask(before, accepted)
     assert untouched_mask(before["state_pool"], inp["state_pool"])[~writable].all()
     for b, (a, slot) in enumerate(zip(accepted.tolist(), inp["slots"].tolist(), strict=True)):
@@ -403,10 +404,10 @@ def test_commit_bf16_pool_and_fp32_corr() -> None:
 
 def test_commit_nothing_live_is_a_no_op() -> None:
     inp = make_verify_inputs(4, 2, 4, seed=31)
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     before = clone_inputs(inp)
     accepted = torch.zeros(4, dtype=torch.int32)
-    reference.commit(**commit_args(inp, accepted))
+    reference.commit(commit_args(inp, accepted))
     assert untouched_mask(before["state_pool"], inp["state_pool"]).all()
 
 
@@ -416,8 +417,8 @@ def test_commit_nothing_live_is_a_no_op() -> None:
 def test_fp32_compute_close_to_fp64() -> None:
     inp = case_inputs(CASES[3], state_dtype=F64, out_dtype=F64, corr_dtype=F64)
     lo, hi = clone_inputs(inp), clone_inputs(inp)
-    reference.verify(**verify_args(lo), compute_dtype=torch.float32)
-    reference.verify(**verify_args(hi))
+    reference.verify(verify_args(lo), compute_dtype=torch.float32)
+    reference.verify(verify_args(hi))
     masks = verify_write_masks(inp)
     for name in ("out", "corr"):
         scale = hi[name][masks[name]].abs().max()
@@ -426,8 +427,8 @@ def test_fp32_compute_close_to_fp64() -> None:
     assert (bits(lo["kg"]) == bits(hi["kg"])).all()
     assert (bits(lo["conv_state"]) == bits(hi["conv_state"])).all()
     accepted = accept_counts(inp, seed=3)
-    reference.commit(**commit_args(lo, accepted), compute_dtype=torch.float32)
-    reference.commit(**commit_args(hi, accepted))
+    reference.commit(commit_args(lo, accepted), compute_dtype=torch.float32)
+    reference.commit(commit_args(hi, accepted))
     err = (lo["state_pool"] - hi["state_pool"]).nan_to_num().abs().max()
     assert err <= 1e-5 * hi["state"].abs().max()
 
@@ -491,7 +492,7 @@ def test_helpers_shapes() -> None:
 @pytest.mark.parametrize(
     ("mutate", "pattern"),
     [
-        (lambda d: d.update(qkv=d["qkv"].float()), "qkv"),
+        (lambda d: d.update(qkv=d["qkv"].float()), "`q` must be bfloat16"),  # q: its first block
         (lambda d: d.update(corr=d["corr"][:, :1]), "corr"),
         (lambda d: d.update(kg=d["kg"].float()), "kg"),
         (lambda d: d.update(raw_beta=d["raw_beta"][:, :1]), "raw_beta"),
@@ -507,30 +508,39 @@ def test_verify_rejects_bad_inputs(mutate, pattern: str) -> None:
     inp = make_verify_inputs(4, 2, 4, conv=True, seed=41, ragged=False, nulls=False)
     mutate(inp)
     with pytest.raises(ValueError, match=pattern):
-        reference.verify(**verify_args(inp))
+        reference.verify(verify_args(inp))
 
 
 def test_commit_rejects_bad_inputs() -> None:
     inp = make_verify_inputs(4, 2, 4, seed=42, ragged=False, nulls=False)
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     accepted = torch.full((4,), 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="accepted"):
-        reference.commit(**commit_args(inp, accepted[:3]))
+        reference.commit(commit_args(inp, accepted[:3]))
     dup = inp["slots"].clone()
     dup[1] = dup[0]
     with pytest.raises(ValueError, match="slots"):
-        reference.commit(**{**commit_args(inp, accepted), "slots": dup})
+        reference.commit(commit_args(inp, accepted).with_(slots=dup))
+
+
+def test_the_reference_runs_the_run_times_checks() -> None:
+    """Inputs the kernels would refuse, the reference refuses with the run-time's message."""
+    inp = make_verify_inputs(4, 2, 4, seed=45)
+    with pytest.raises(KdaInputError, match="kdagen.reference.verify: `lower_bound` x Q must be"):
+        reference.verify(verify_args(inp).with_(lower_bound=-19.0))
+    with pytest.raises(KdaInputError, match="kdagen.reference.commit: `accepted` must be int32"):
+        reference.commit(commit_args(inp, torch.ones(4, dtype=torch.int64)))
 
 
 def test_commit_clamps_accepted_and_skips_slots_outside_the_pool() -> None:
     """accepted > Q folds the whole window (the kernels clamp it); a slot below 0 or past
     the pool is a padding request: its records are never read, no slot is written."""
     inp = make_verify_inputs(4, 2, 4, seed=43, ragged=False, nulls=False)
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     window = inp["corr"].shape[2]
     clamped, full = clone_inputs(inp), clone_inputs(inp)
-    reference.commit(**commit_args(clamped, torch.full((4,), 3 * window, dtype=torch.int32)))
-    reference.commit(**commit_args(full, torch.full((4,), window, dtype=torch.int32)))
+    reference.commit(commit_args(clamped, torch.full((4,), 3 * window, dtype=torch.int32)))
+    reference.commit(commit_args(full, torch.full((4,), window, dtype=torch.int32)))
     assert torch.equal(clamped["state"], full["state"])
     outside = clone_inputs(inp)
     slot_count = outside["state"].shape[0]
@@ -538,8 +548,8 @@ def test_commit_clamps_accepted_and_skips_slots_outside_the_pool() -> None:
     slots[0], slots[1] = -3, slot_count
     outside["corr"][:2] = float("nan")  # their records: never read
     before = outside["state"].clone()
-    reference.commit(**{**commit_args(outside, torch.full((4,), 2, dtype=torch.int32)),
-                        "slots": slots})  # fmt: skip
+    accepted = torch.full((4,), 2, dtype=torch.int32)
+    reference.commit(commit_args(outside, accepted).with_(slots=slots))
     changed = (outside["state"] != before).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == sorted(slots[2:].tolist())
     assert not outside["state"].isnan().any()
@@ -559,14 +569,14 @@ def test_softplus_gate_matches_recurrence(conv: bool, bias: float) -> None:
     if bias:
         steps = torch.nn.functional.softplus(inp["raw_g"].double() + inp["dt_bias"].double())
         assert float(steps.min()) * 8 * math.exp(float(inp["a_log"].min())) > 1000
-    reference.verify(**verify_args(inp))
+    reference.verify(verify_args(inp))
     masks = verify_write_masks(clone_inputs(inp))
     assert_written("out", inp["out"], want["out"], masks["out"], rtol=1e-10)
     assert_written("corr", inp["corr"], want["corr"], masks["corr"], rtol=1e-10)
     assert torch.isfinite(inp["out"][masks["out"]]).all()
     accepted = accept_counts(inp, seed=45)
     poison_rejected_(inp, accepted)
-    reference.commit(**commit_args(inp, accepted))
+    reference.commit(commit_args(inp, accepted))
     for b, (a, slot) in enumerate(zip(accepted.tolist(), inp["slots"].tolist(), strict=True)):
         if slot <= inp["null_slot"] or a == 0:
             continue

@@ -18,6 +18,7 @@ from oracle import conv_row, conv_token
 from torch import Tensor
 
 from kdagen import reference
+from kdagen.serve.contract import CommitArgs, VerifyArgs
 from kdagen.testing import bits, is_poisoned, poison_
 
 K = 128
@@ -136,12 +137,13 @@ def simulate(
         kg = poison_(torch.empty(batch, heads, window, 2 * K, dtype=torch.bfloat16))
         pool_before, conv_before = pool.clone(), conv_state.clone()
 
-        reference.verify(
+        args = VerifyArgs.from_qkv(
             qkv, raw_g, raw_beta, model.a_log, model.dt_bias, state,
             torch.tensor(starts, dtype=torch.int32), slots, out, corr, kg,
             lower_bound=model.lower_bound, null_slot=null_slot, conv_state=conv_state,
             conv_w=model.conv_w, accepted=accepted, conv_dim_first=dim_first,
         )  # fmt: skip
+        reference.verify(args)
         counts = []
         for b, req in enumerate(requests):
             bos, n = starts[b], qlen[b]
@@ -165,10 +167,10 @@ def simulate(
             req.state, req.accepted = states[a - 1], a
             req.history += raw[:a]
 
+        counts_t = torch.tensor(counts, dtype=torch.int32)
         reference.commit(
-            state, corr, kg, model.a_log, model.dt_bias, slots,
-            torch.tensor(counts, dtype=torch.int32),
-            lower_bound=model.lower_bound, null_slot=null_slot,
+            CommitArgs(state, corr, kg, model.a_log, model.dt_bias, slots, counts_t,
+                       lower_bound=model.lower_bound, null_slot=null_slot)
         )  # fmt: skip
         worst = 0.0
         for b, req in enumerate(requests):

@@ -6,29 +6,28 @@ import pytest
 import torch
 
 from kdagen.cases import CHECK_CASES, make_commit_inputs
+from kdagen.serve.contract import CommitArgs
 from kdagen.serve.runtime import validate_commit
 from kdagen.serve.validate import KdaInputError
 
 
-def _inputs(**changes: object) -> dict[str, object]:
-    inputs = make_commit_inputs(CHECK_CASES[2], heads=2, window=4, device="cpu")
-    inputs.update(changes)
-    return inputs
+def _inputs(**changes: object) -> CommitArgs:
+    return make_commit_inputs(CHECK_CASES[2], heads=2, window=4, device="cpu").with_(**changes)
 
 
-def _validate(inputs: dict[str, object], **kwargs: object):
-    return validate_commit(**inputs, require_cuda=False, **kwargs)  # type: ignore[arg-type]
+def _validate(args: CommitArgs, **kwargs: object):
+    return validate_commit(args, require_cuda=False, **kwargs)  # type: ignore[arg-type]
 
 
 def test_good_inputs_pass_and_resolve_a_variant() -> None:
     launch = _validate(_inputs())
     assert launch.variant.contract_key == "commit-h2-q4-i32"
-    assert launch.batch == 37 and launch.slot_stride == 2 * 128 * 128 + 512
+    assert launch.batch == 37 and launch.args.state.stride(0) == 2 * 128 * 128 + 512
 
 
 def test_cpu_state_is_refused_when_a_gpu_launch_is_asked_for() -> None:
     with pytest.raises(KdaInputError, match="`state` must be on a CUDA device, got cpu"):
-        validate_commit(**_inputs())  # type: ignore[arg-type]
+        validate_commit(_inputs())
 
 
 @pytest.mark.parametrize(
@@ -69,27 +68,22 @@ def test_cpu_state_is_refused_when_a_gpu_launch_is_asked_for() -> None:
 )
 def test_bad_tensor_is_named_with_expected_and_actual(name, bad, message) -> None:
     inputs = _inputs()
-    inputs[name] = bad(inputs[name])  # type: ignore[operator]
     with pytest.raises(KdaInputError) as err:
-        _validate(inputs)
+        _validate(inputs.with_(**{name: bad(getattr(inputs, name))}))
     assert message in str(err.value)
 
 
 def test_unaligned_corr_is_refused() -> None:
     inputs = _inputs()
-    corr = inputs["corr"]
-    assert isinstance(corr, torch.Tensor)
-    flat = torch.empty(corr.numel() + 1)
-    inputs["corr"] = flat[1:].view(corr.shape)
+    flat = torch.empty(inputs.corr.numel() + 1)
     with pytest.raises(KdaInputError, match="`corr` must start on a 16-byte boundary"):
-        _validate(inputs)
+        _validate(inputs.with_(corr=flat[1:].view(inputs.corr.shape)))
 
 
 def test_slot_stride_must_keep_rows_aligned() -> None:
     pool = torch.zeros(4, 128 * 128 + 3, dtype=torch.bfloat16)
     state = pool[:, : 128 * 128].view(4, 1, 128, 128)
-    inputs = make_commit_inputs(CHECK_CASES[1], heads=1, window=2, device="cpu")
-    inputs["state"] = state
+    inputs = make_commit_inputs(CHECK_CASES[1], heads=1, window=2, device="cpu").with_(state=state)
     with pytest.raises(
         KdaInputError, match="slot stride must be >= H\\*V\\*K = 16384 and a multiple of 8"
     ):
@@ -111,10 +105,8 @@ def test_other_device_is_named() -> None:
     ],
 )
 def test_bad_scalars(kwargs, message) -> None:
-    inputs = _inputs()
-    inputs.update(kwargs)
     with pytest.raises(KdaInputError, match=message):
-        _validate(inputs)
+        _validate(_inputs(**kwargs))
 
 
 def test_explicit_variant_must_fit_the_tensors() -> None:

@@ -12,7 +12,7 @@ from kdagen.serve.runtime import validate_verify
 from kdagen.serve.validate import KdaInputError
 from kdagen.serve.variant import Variant
 from kdagen.serve.vllm import kda_recoverssm_verify
-from kdagen.testing import make_verify_inputs
+from kdagen.testing import make_verify_inputs, verify_args
 
 H, Q = 2, 4
 VARIANT = Variant(kernel="verify", heads=H, window=Q, path="sm90_wgmma", ctas=396)
@@ -23,24 +23,14 @@ def _inputs(conv: bool = False) -> dict[str, Any]:
 
 
 def _validate(inputs: dict[str, Any], variant: Variant | str = VARIANT, **changes: Any):
-    x = {**inputs, **changes}
-    width = H * 128
-    qkv = x.pop("qkv")
-    q, k, v = qkv[:, :width], qkv[:, width : 2 * width], qkv[:, 2 * width :]
-    q, k, v = changes.get("q", q), changes.get("k", k), changes.get("v", v)
-    conv = {n: x[n] for n in ("conv_state", "conv_w", "accepted")}
-    return validate_verify(
-        q, k, v, x["raw_g"], x["raw_beta"], x["a_log"], x["dt_bias"], x["state"],
-        x["query_start"], x["slots"], x["out"], x["corr"], x["kg"],
-        lower_bound=x["lower_bound"], null_slot=x["null_slot"], conv_dim_first=x["conv_dim_first"],
-        variant=variant, require_cuda=False, **conv,
-    )  # fmt: skip
+    args = verify_args(inputs).with_(**changes)
+    return validate_verify(args, variant=variant, require_cuda=False)
 
 
 def test_good_inputs_pass_with_the_fused_projection_stride() -> None:
     launch = _validate(_inputs())
     assert launch.act_stride == 3 * H * 128 and launch.batch == 7 and not launch.records_by_slot
-    assert launch.slot_stride == H * 128 * 128 + 512
+    assert launch.args.state.stride(0) == H * 128 * 128 + 512
 
 
 def test_good_conv_inputs_pick_the_conv_contract() -> None:

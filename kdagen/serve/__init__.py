@@ -1,7 +1,9 @@
 """kdagen.serve: the serving run-time, what an inference engine imports.
 
-Validation and launch (``runtime``), the dispatch-table lookup (``dispatch``), the all-layer
-commit (``model_commit``), vLLM's entry points (``vllm``) and the torch custom ops (``ops``).
+Verify's and commit's argument types and checks (``contract``, shared with the reference and
+the emulator), validation and launch (``runtime``), the dispatch-table lookup (``dispatch``),
+the all-layer commit (``model_commit``), vLLM's entry points (``vllm``) and the torch custom
+ops (``ops``).
 It imports the standard library, torch, nvidia-cutlass-dsl and its own modules only (no
 Jinja, Optuna, Typer, YAML, nor kdagen's build side: pyproject's import-linter contract and
 tests/test_serve.py hold it to that), the latter relatively, so ``kdagen emit`` copies the

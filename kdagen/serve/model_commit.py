@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime import _resolve_variant, gate_of, kernel_lower_bound, launch_commit
+from .contract import gate_of
+from .runtime import _resolve_variant, kernel_lower_bound, launch_commit
 from .validate import KdaInputError, check_scalar, check_state, check_tensor
 from .variant import Variant
 

@@ -17,30 +17,9 @@ from typing import Any
 import torch
 
 from . import kernel_source
-from .validate import KdaInputError, check_scalar, check_state, check_tensor
+from .contract import CommitArgs, VerifyArgs, check_commit, check_verify
+from .validate import KdaInputError, check_tensor
 from .variant import Variant
-
-# verify's bound on |Q x lower_bound|. The window's log decay G_t reaches Q x lower_bound when
-# every gate saturates; the kernels scale the probes by exp(G) and the w rows by exp(-G), so
-# the probes' bf16 low halves must stay normal fp32 numbers. Measured on the H200 with every
-# gate saturated (H 12, Q 8): out rel-L2 8.6e-5 at G = -72 (5.6e-5 at -40), 2.7e-4 at -80,
-# 3.1e-2 at -86.4 and NaN at -96 (exp(G) flushed to zero).
-MAX_LOG_DECAY = 72.0
-
-
-def gate_of(op: str, lower_bound: float | None, window: int | None = None) -> str:
-    """The gate contract field ``lower_bound`` selects: a negative float is Kimi-K3's bounded
-    gate (``kda``), within ``MAX_LOG_DECAY`` over a window of ``window`` tokens when given;
-    None is Kimi-Linear's unbounded softplus gate, which the kernels take as it is."""
-    if lower_bound is None:
-        return "softplus"
-    check_scalar(op, "lower_bound", lower_bound, float, negative=True)
-    if window is not None and lower_bound * window < -MAX_LOG_DECAY:
-        raise KdaInputError(
-            f"{op}: `lower_bound` x Q must be >= -{MAX_LOG_DECAY:g} (the window's log decay "
-            f"and its exp must stay inside fp32's normal range), got {lower_bound:g} x {window}"
-        )
-    return "kda"
 
 
 def device_arch(device: torch.device | None = None) -> str:
@@ -77,62 +56,25 @@ def default_commit_variant(
     )  # fmt: skip
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.int32: "int32", torch.int64: "int64"}[dtype]
-
-
 @dataclass(frozen=True)
 class CommitLaunch:
-    """What validation resolved: the variant and the kernel's scalar arguments."""
+    """A validated commit: its arguments, the variant and the batch."""
 
+    args: CommitArgs
     variant: Variant
     batch: int
-    slot_count: int
-    slot_stride: int
 
 
 def validate_commit(
-    state: torch.Tensor,
-    corr: torch.Tensor,
-    kg: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    slots: torch.Tensor,
-    accepted: torch.Tensor,
-    *,
-    lower_bound: float | None,
-    null_slot: int,
-    variant: Variant | str | None = None,
-    require_cuda: bool = True,
+    args: CommitArgs, *, variant: Variant | str | None = None, require_cuda: bool = True
 ) -> CommitLaunch:
-    """Every check ``commit`` makes, without launching (CPU tensors pass with
-    ``require_cuda=False``, so the messages are testable anywhere)."""
-    op = "kdagen.commit"
-    check_state(op, state, require_cuda=require_cuda)
-    heads, device = state.shape[1], state.device
-    check_tensor(
-        op, "slots", slots, dims=[("B", 0)], dtypes=[torch.int32, torch.int64], device=device
-    )
-    batch = slots.shape[0]
-    check_tensor(op, "accepted", accepted, dims=[batch], dtypes=[torch.int32], device=device)
-    if not (isinstance(corr, torch.Tensor) and corr.dim() == 4 and 1 <= corr.shape[2] <= 8):
-        shape = list(corr.shape) if isinstance(corr, torch.Tensor) else type(corr).__name__
-        raise KdaInputError(
-            f"{op}: `corr` must have shape [rows>={batch}, {heads}, Q (1..8), 128], got {shape}"
-        )
-    window = corr.shape[2]
-    check_tensor(op, "corr", corr, dims=[("rows", batch), heads, window, 128],
-                 dtypes=[torch.float32], device=device, align=16)  # fmt: skip
-    check_tensor(op, "kg", kg, dims=[("rows", batch), heads, window, 256],
-                 dtypes=[torch.bfloat16], device=device, align=16)  # fmt: skip
-    check_tensor(op, "a_log", a_log, dims=[heads], dtypes=[torch.float32], device=device)
-    check_tensor(op, "dt_bias", dt_bias, dims=[heads * 128], dtypes=[torch.float32], device=device)
-    gate = gate_of(op, lower_bound)
-    check_scalar(op, "null_slot", null_slot, int)
-    slot_dtype = _dtype_name(slots.dtype)
-    chosen = _resolve_variant(variant, "commit", heads, window, slot_dtype, batch, device,
-                              gate=gate)  # fmt: skip
-    return CommitLaunch(chosen, batch, state.shape[0], state.stride(0))
+    """Every check ``commit`` makes (``contract.check_commit``) and the variant, without
+    launching (CPU tensors pass with ``require_cuda=False``, so the messages are testable
+    anywhere)."""
+    checked = check_commit(args, require_cuda=require_cuda)
+    chosen = _resolve_variant(variant, "commit", batch=checked.batch, device=args.state.device,
+                              **checked.fields)  # fmt: skip
+    return CommitLaunch(args, chosen, checked.batch)
 
 
 def commit(
@@ -157,18 +99,22 @@ def commit(
     softplus gate. One layer; ``kdagen.ModelCommit`` folds every layer of a model in one
     launch. Launches on the current stream; no allocation, no synchronisation.
     """
-    launch = validate_commit(
-        state, corr, kg, a_log, dt_bias, slots, accepted,
-        lower_bound=lower_bound, null_slot=null_slot, variant=variant,
-    )  # fmt: skip
+    args = CommitArgs(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound, null_slot)
+    run_commit(args, variant=variant)
+
+
+def run_commit(args: CommitArgs, *, variant: Variant | str | None = None) -> None:
+    """``commit`` on its arguments as one ``CommitArgs``."""
+    launch = validate_commit(args, variant=variant)
     if launch.batch == 0:
         return
+    state, corr, kg = args.state, args.corr, args.kg
     launch_commit(
-        launch.variant, state=state, corr=corr, kg=kg, a_log=a_log, dt_bias=dt_bias,
-        slots=slots, accepted=accepted, layers=1, batch=launch.batch, owners=launch.batch,
-        slot_count=launch.slot_count, slot_stride=launch.slot_stride, rows=corr.shape[0],
-        corr_row_stride=corr.stride(0), kg_row_stride=kg.stride(0),
-        lower_bound=kernel_lower_bound(lower_bound), null_slot=int(null_slot),
+        launch.variant, state=state, corr=corr, kg=kg, a_log=args.a_log, dt_bias=args.dt_bias,
+        slots=args.slots, accepted=args.accepted, layers=1, batch=launch.batch,
+        owners=launch.batch, slot_count=state.shape[0], slot_stride=state.stride(0),
+        rows=corr.shape[0], corr_row_stride=corr.stride(0), kg_row_stride=kg.stride(0),
+        lower_bound=kernel_lower_bound(args.lower_bound), null_slot=int(args.null_slot),
     )  # fmt: skip
 
 
@@ -317,150 +263,35 @@ def default_verify_variant(
 
 @dataclass(frozen=True)
 class VerifyLaunch:
-    """What validation resolved: the variant, q/k/v views and the kernel's scalar arguments."""
+    """A validated verify: its arguments, the variant and the kernel's scalar arguments."""
 
+    args: VerifyArgs
     variant: Variant
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     act_stride: int
     records_by_slot: bool
     batch: int
-    rows: int
-    slot_count: int
-    slot_stride: int
-
-
-def _check_activations(
-    op: str, q: object, k: object, v: object, tokens: int, heads: int, device: torch.device
-) -> int:
-    """q, k, v [T, H*128] bf16: rows contiguous, one shared row stride (a fused projection's
-    channel blocks or separate tensors), 16-byte aligned. Returns the row stride."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(op, name, t, dims=[tokens, heads * 128], dtypes=[torch.bfloat16],
-                     device=device, contiguous=False, align=16)  # fmt: skip
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-    assert isinstance(v, torch.Tensor)
-    stride = q.stride(0) if tokens > 1 else heads * 128
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        row = t.stride(0) if tokens > 1 else stride
-        if t.stride(1) != 1 or row != stride or row % 8:
-            raise KdaInputError(
-                f"{op}: `{name}` must have contiguous rows and the row stride of `q` (a "
-                f"multiple of 8), got strides {list(t.stride())} (q: {list(q.stride())})"
-            )
-    return stride
-
-
-def _check_conv(
-    op: str,
-    conv_state: object,
-    conv_w: object,
-    accepted: object,
-    conv_dim_first: bool,
-    *,
-    heads: int,
-    window: int,
-    batch: int,
-    slot_count: int,
-    device: torch.device,
-) -> dict[str, Any]:
-    """The conv tensors (all three or none); returns the variant's conv contract fields."""
-    given = [x is not None for x in (conv_state, conv_w, accepted)]
-    if not any(given):
-        return {"conv": False}
-    if not all(given):
-        missing = [n for n, g in zip(("conv_state", "conv_w", "accepted"), given, strict=True)
-                   if not g]  # fmt: skip
-        raise KdaInputError(f"{op}: with conv, `conv_state`, `conv_w` and `accepted` are all "
-                            f"required; missing {missing}")  # fmt: skip
-    channels = 3 * heads * 128
-    rows = [channels, window + 2] if conv_dim_first else [window + 2, channels]
-    check_tensor(op, "conv_state", conv_state, dims=[slot_count, *rows],
-                 dtypes=[torch.bfloat16], device=device)  # fmt: skip
-    check_tensor(op, "conv_w", conv_w, dims=[channels, 4],
-                 dtypes=[torch.bfloat16, torch.float32], device=device, align=8)  # fmt: skip
-    check_tensor(op, "accepted", accepted, dims=[batch], dtypes=[torch.int32], device=device)
-    assert isinstance(conv_w, torch.Tensor)
-    return {
-        "conv": True,
-        "conv_layout": "dim_first" if conv_dim_first else "token_major",
-        "conv_weight_dtype": "fp32" if conv_w.dtype == torch.float32 else "bf16",
-    }
 
 
 def validate_verify(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    raw_g: torch.Tensor,
-    raw_beta: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    query_start: torch.Tensor,
-    slots: torch.Tensor,
-    out: torch.Tensor,
-    corr: torch.Tensor,
-    kg: torch.Tensor,
+    args: VerifyArgs,
     *,
-    lower_bound: float | None,
-    null_slot: int,
-    conv_state: torch.Tensor | None = None,
-    conv_w: torch.Tensor | None = None,
-    accepted: torch.Tensor | None = None,
-    conv_dim_first: bool = False,
     variant: Variant | str | None = None,
     require_cuda: bool = True,
     arch: str | None = None,
     records_by_slot: bool = False,
     op: str = "kdagen.verify",
 ) -> VerifyLaunch:
-    """Every check ``verify`` makes, without launching (CPU tensors pass with
-    ``require_cuda=False``, so the messages are testable anywhere)."""
-    check_state(op, state, require_cuda=require_cuda)
-    heads, device = state.shape[1], state.device
-    check_tensor(op, "slots", slots, dims=[("B", 0)], dtypes=[torch.int32, torch.int64],
-                 device=device)  # fmt: skip
-    batch = slots.shape[0]
-    check_tensor(op, "query_start", query_start, dims=[batch + 1], dtypes=[torch.int32],
-                 device=device)  # fmt: skip
-    if not isinstance(q, torch.Tensor) or q.dim() != 2:
-        shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-        raise KdaInputError(f"{op}: `q` must have shape [T, {heads * 128}], got {shape}")
-    tokens = q.shape[0]
-    act_stride = _check_activations(op, q, k, v, tokens, heads, device)
-    check_tensor(op, "raw_g", raw_g, dims=[tokens, heads * 128], dtypes=[torch.bfloat16],
-                 device=device, align=16)  # fmt: skip
-    check_tensor(op, "raw_beta", raw_beta, dims=[tokens, heads], dtypes=[torch.bfloat16],
-                 device=device)  # fmt: skip
-    if not (isinstance(corr, torch.Tensor) and corr.dim() == 4 and 1 <= corr.shape[2] <= 8):
-        shape = list(corr.shape) if isinstance(corr, torch.Tensor) else type(corr).__name__
-        raise KdaInputError(
-            f"{op}: `corr` must have shape [rows>={batch}, {heads}, Q (1..8), 128], got {shape}"
-        )
-    window = corr.shape[2]
-    rows = state.shape[0] if records_by_slot else ("rows", batch)
-    check_tensor(op, "corr", corr, dims=[rows, heads, window, 128],
-                 dtypes=[torch.float32], device=device, align=16)  # fmt: skip
-    check_tensor(op, "kg", kg, dims=[corr.shape[0], heads, window, 256],
-                 dtypes=[torch.bfloat16], device=device, align=16)  # fmt: skip
-    check_tensor(op, "out", out, dims=[tokens, heads * 128], dtypes=[torch.bfloat16],
-                 device=device, align=16)  # fmt: skip
-    check_tensor(op, "a_log", a_log, dims=[heads], dtypes=[torch.float32], device=device)
-    check_tensor(op, "dt_bias", dt_bias, dims=[heads * 128], dtypes=[torch.float32],
-                 device=device)  # fmt: skip
-    gate = gate_of(op, lower_bound, window)
-    check_scalar(op, "null_slot", null_slot, int)
-    conv = _check_conv(
-        op, conv_state, conv_w, accepted, conv_dim_first, heads=heads, window=window,
-        batch=batch, slot_count=state.shape[0], device=device,
-    )  # fmt: skip
-    slot_dtype = _dtype_name(slots.dtype)
+    """Every check ``verify`` makes (``contract.check_verify``) and the variant, without
+    launching (CPU tensors pass with ``require_cuda=False``, so the messages are testable
+    anywhere)."""
+    checked = check_verify(args, op=op, require_cuda=require_cuda,
+                           records_by_slot=records_by_slot)  # fmt: skip
+    device = args.state.device
     if variant is None and arch is None:
         arch = device_arch(device)
-    chosen = _resolve_variant(variant, "verify", heads, window, slot_dtype, batch, device, arch,
-                              gate=gate, **conv)  # fmt: skip
-    return VerifyLaunch(chosen, (q, k, v), act_stride, records_by_slot, batch, corr.shape[0],
-                        state.shape[0], state.stride(0))  # fmt: skip
+    chosen = _resolve_variant(variant, "verify", batch=checked.batch, device=device, arch=arch,
+                              **checked.fields)  # fmt: skip
+    return VerifyLaunch(args, chosen, checked.act_stride, records_by_slot, checked.batch)
 
 
 _COUNTERS: dict[int, torch.Tensor] = {}
@@ -517,43 +348,29 @@ def verify(
     Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate.
     Launches on the current stream; no allocation, no synchronisation.
     """
-    width = qkv.shape[-1] // 3 if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else 0
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != 3 * width:
-        shape = list(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-        raise KdaInputError(f"kdagen.verify: `qkv` must have shape [T, 3*H*128], got {shape}")
-    q, k, v = qkv[:, :width], qkv[:, width : 2 * width], qkv[:, 2 * width :]
-    launch = validate_verify(
-        q, k, v, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg,
-        lower_bound=lower_bound, null_slot=null_slot, conv_state=conv_state, conv_w=conv_w,
-        accepted=accepted, conv_dim_first=conv_dim_first, variant=variant,
+    args = VerifyArgs.from_qkv(
+        qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg,
+        lower_bound, null_slot, conv_state, conv_w, accepted, conv_dim_first,
     )  # fmt: skip
-    launch_verify(launch, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out,
-                  corr, kg, conv_state, conv_w, accepted, counter, lower_bound, null_slot)  # fmt: skip
+    run_verify(args, counter=counter, variant=variant)
 
 
-def launch_verify(
-    launch: VerifyLaunch,
-    raw_g: torch.Tensor,
-    raw_beta: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    query_start: torch.Tensor,
-    slots: torch.Tensor,
-    out: torch.Tensor,
-    corr: torch.Tensor,
-    kg: torch.Tensor,
-    conv_state: torch.Tensor | None,
-    conv_w: torch.Tensor | None,
-    accepted: torch.Tensor | None,
-    counter: torch.Tensor | None,
-    lower_bound: float | None,
-    null_slot: int,
+def run_verify(
+    args: VerifyArgs,
+    *,
+    counter: torch.Tensor | None = None,
+    variant: Variant | str | None = None,
 ) -> None:
+    """``verify`` on its arguments as one ``VerifyArgs``."""
+    launch_verify(validate_verify(args, variant=variant), counter)
+
+
+def launch_verify(launch: VerifyLaunch, counter: torch.Tensor | None = None) -> None:
     """Launch a validated verify (``validate_verify``'s result) on the current stream."""
     if launch.batch == 0:
         return
-    device = state.device
+    args = launch.args
+    device = args.state.device
     if counter is None:
         counter = work_counter(device)
     else:
@@ -562,17 +379,13 @@ def launch_verify(
     from .abi import launch_args
 
     fn = launcher(launch.variant, device_arch(device))
-    q, k, v = launch.qkv
     values = {
-        "q": q, "k": k, "v": v, "raw_g": raw_g, "raw_beta": raw_beta, "a_log": a_log,
-        "dt_bias": dt_bias, "state": state, "corr": corr, "kg": kg, "out": out,
-        "query_start": query_start, "slots": slots, "conv_state": conv_state,
-        "conv_w": conv_w, "accepted": accepted, "counter": counter, "tokens": q.shape[0],
-        "act_stride": launch.act_stride, "batch": launch.batch, "rows": launch.rows,
-        "records_by_slot": int(launch.records_by_slot),
-        "slot_count": launch.slot_count, "slot_stride": launch.slot_stride,
-        "lower_bound": kernel_lower_bound(lower_bound), "null_slot": int(null_slot),
-        "stream": torch.cuda.current_stream(device),
+        **vars(args),
+        "counter": counter, "tokens": args.q.shape[0], "act_stride": launch.act_stride,
+        "batch": launch.batch, "rows": args.corr.shape[0],
+        "records_by_slot": int(launch.records_by_slot), "slot_count": args.state.shape[0],
+        "slot_stride": args.state.stride(0), "lower_bound": kernel_lower_bound(args.lower_bound),
+        "null_slot": int(args.null_slot), "stream": torch.cuda.current_stream(device),
     }  # fmt: skip
     with torch.cuda.device(device):
         fn(*launch_args(launch.variant, values))

@@ -56,14 +56,21 @@ def check_tensor(
     return t
 
 
-def check_state(op: str, state: object, require_cuda: bool = True) -> torch.Tensor:
-    """state [slots, H, V, K] bf16 on a GPU; rows contiguous, the slot stride may be padded."""
+def check_state(
+    op: str,
+    state: object,
+    require_cuda: bool = True,
+    dtypes: Sequence[torch.dtype] | None = None,
+) -> torch.Tensor:
+    """state [slots, H, V, K] bf16 (or ``dtypes``) on a GPU; rows contiguous, the slot stride
+    may be padded."""
     if not isinstance(state, torch.Tensor):
         raise KdaInputError(f"{op}: `state` must be a torch.Tensor, got {type(state).__name__}")
     if require_cuda and state.device.type != "cuda":
         raise KdaInputError(f"{op}: `state` must be on a CUDA device, got {state.device}")
     check_tensor(
-        op, "state", state, dims=[("slots", 1), ("H", 1), 128, 128], dtypes=[torch.bfloat16],
+        op, "state", state, dims=[("slots", 1), ("H", 1), 128, 128],
+        dtypes=dtypes or [torch.bfloat16],
         device=state.device, contiguous=False, align=16,
     )  # fmt: skip
     n_heads = state.shape[1]

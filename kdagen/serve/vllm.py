@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .contract import VerifyArgs
 from .model_commit import ModelCommit
 from .runtime import launch_verify, validate_verify
 from .validate import KdaInputError, check_scalar
@@ -99,18 +100,13 @@ def verify_records(
     flat_out = _tokens_view("out", out)
     if flat_out.stride(0) != flat_out.shape[1]:
         raise KdaInputError(f"{OP}: `out` must be contiguous, got strides {list(out.stride())}")
-    flat_g, flat_beta = _tokens_view("raw_g", raw_g), _tokens_view("raw_beta", raw_beta)
-    launch = validate_verify(
-        _tokens_view("q", q), _tokens_view("k", k), _tokens_view("v", v), flat_g, flat_beta,
-        A_log, dt_bias, checkpoint_state, query_start_loc, state_indices, flat_out,
-        correction, key_gate, lower_bound=lower_bound, null_slot=NULL_BLOCK_ID,
-        records_by_slot=records_by_slot, op=OP,
-    )  # fmt: skip
-    launch_verify(
-        launch, flat_g, flat_beta, A_log, dt_bias, checkpoint_state, query_start_loc,
-        state_indices, flat_out, correction, key_gate, None, None, None, None,
+    args = VerifyArgs(
+        _tokens_view("q", q), _tokens_view("k", k), _tokens_view("v", v),
+        _tokens_view("raw_g", raw_g), _tokens_view("raw_beta", raw_beta), A_log, dt_bias,
+        checkpoint_state, query_start_loc, state_indices, flat_out, correction, key_gate,
         lower_bound, NULL_BLOCK_ID,
     )  # fmt: skip
+    launch_verify(validate_verify(args, records_by_slot=records_by_slot, op=OP))
     return out
 
 

@@ -46,7 +46,7 @@ def default_commit_variant(
     heads: int, window: int, slot_dtype: str, batch: int, gate: str = "kda"
 ) -> Variant:
     """Built-in heuristic until a dispatch table is present (the H200 sweep in
-    docs/history/): split each (request, head) over more CTAs while the items alone
+    docs/history/commit.md): split each (request, head) over more CTAs while the items alone
     cannot keep every SM's copy engine busy."""
     items = batch * heads
     threads, row_split = (128, 4) if items < 128 else (128, 2) if items < 384 else (256, 1)
@@ -226,7 +226,7 @@ def _resolve_variant(
 
 # ---- verify ----
 
-# H200 sweep (docs/history/): four 54 KiB CTAs fit an SM; fused conv needs 152
+# H200 sweep (docs/history/verify-sm90.md): four 54 KiB CTAs fit an SM; fused conv needs 152
 # registers per thread, so three, and so does the softplus gate beyond Q = 4 (its coupling
 # tile takes the shared memory of a fourth).
 _SM90_RESIDENT = {False: 4, True: 3}

@@ -5,6 +5,10 @@ The cache is keyed by the variant digest (rendered source + DSL version) and the
 ``<cache>/<digest>/<arch>/`` holds ``record.json``, the PTX, the cubin and an exported
 object (``kernel.o``) that a later process loads instead of compiling again.
 A failing compile is a result (``status == "error"`` with its message), never an exception.
+
+Every way in shares this cache: ``CompilePool`` (``kdagen compile`` and ``kdagen emit`` through
+``compile_many``, and the tuner) compiles in worker processes; ``load_kernel`` (compile on first
+use) loads the exported object, compiling in its own process where it is missing.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,11 +80,17 @@ def write_module(variant: Variant, root: Path | None = None) -> Path:
     """The rendered module on disk (written once per digest)."""
     path = variant_dir(variant, root) / "kernel.py"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(render(variant))
-        tmp.replace(path)
+        _write_whole(path, render(variant))
     return path
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Written under another name, then renamed: other processes share the cache and never
+    read half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def load_module(variant: Variant, root: Path | None = None) -> ModuleType:
@@ -109,16 +122,32 @@ def compile_options(arch: str, dump_dir: Path | None = None) -> str:
     return options
 
 
+def record_path(variant: Variant, arch: str, root: Path | None = None) -> Path:
+    return variant_dir(variant, root) / arch / "record.json"
+
+
+def object_path(variant: Variant, arch: str, root: Path | None = None) -> Path:
+    """The exported object (its symbol: ``export_symbol``)."""
+    return variant_dir(variant, root) / arch / "kernel.o"
+
+
+def cached_record(variant: Variant, arch: str, root: Path | None = None) -> CompileRecord | None:
+    """The record of an earlier compile of (variant, arch), or None."""
+    path = record_path(variant, arch, root)
+    if not path.exists():
+        return None
+    return CompileRecord(**json.loads(path.read_text()) | {"cached": True})
+
+
 def compile_variant(
     variant: Variant, arch: str, root: Path | None = None, force: bool = False
 ) -> CompileRecord:
-    """Compile without a GPU (placeholder arguments); reuse the cached record when present."""
+    """Compile without a GPU (placeholder arguments) and export the object; reuse the cached
+    record when present (unless ``force``)."""
+    cached = None if force else cached_record(variant, arch, root)
+    if cached is not None:
+        return cached
     out_dir = variant_dir(variant, root) / arch
-    record_path = out_dir / "record.json"
-    if record_path.exists() and not force:
-        record = CompileRecord(**json.loads(record_path.read_text()))
-        record.cached = True
-        return record
     started = time.perf_counter()
     try:
         compiled = _compile(variant, arch, out_dir, root)
@@ -134,9 +163,40 @@ def compile_variant(
             variant.name, arch, digest(variant), "error", 0.0, error=_short_error(err)
         )
     record.seconds = round(time.perf_counter() - started, 2)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record_path.write_text(json.dumps(dataclasses.asdict(record) | {"cached": False}, indent=1))
+    _write_whole(
+        record_path(variant, arch, root),
+        json.dumps(dataclasses.asdict(record) | {"cached": False}, indent=1),
+    )
     return record
+
+
+class CompileError(RuntimeError):
+    """A kernel needed now did not compile (its record's message)."""
+
+
+def load_kernel(variant: Variant, arch: str, root: Path | None = None) -> Any:
+    """The launchable kernel: the cache's exported object, compiled in this process first
+    (``compile_variant``) where it is missing or cannot be loaded (stale, foreign)."""
+    try:
+        return _load_exported(variant, arch, root)
+    except FileNotFoundError:
+        pass
+    except Exception as err:
+        warnings.warn(f"kdagen: could not load {variant.name}'s object ({err}); compiling",
+                      stacklevel=2)  # fmt: skip
+    record = compile_variant(variant, arch, root, force=True)
+    if not record.ok:
+        raise CompileError(f"{variant.name} did not compile for {arch}:\n{record.error}")
+    return _load_exported(variant, arch, root)
+
+
+def _load_exported(variant: Variant, arch: str, root: Path | None) -> Any:
+    import cutlass.cute as cute  # over a second to import: only once a kernel is needed
+
+    obj = object_path(variant, arch, root)
+    if not obj.exists():
+        raise FileNotFoundError(obj)
+    return getattr(cute.runtime.load_module(str(obj)), export_symbol(variant))
 
 
 @functools.cache
@@ -203,6 +263,124 @@ def compile_named(name: str, arch: str, root: str | None, force: bool = False) -
     return compile_variant(Variant.parse(name), arch, Path(root) if root else None, force)
 
 
+class CompilePool:
+    """Compiles variants for one arch in spawned processes, each as soon as it is submitted.
+
+    The one path to compiling many variants: ``kdagen compile``, ``kdagen emit`` (both through
+    ``compile_many``) and the tuner, whose GPU threads share one pool (a lock around its books;
+    waiting for a compile holds none). Spawned, not forked: the DSL's MLIR context does not
+    survive a fork. Cached records are read in this process (no worker needed); a variant whose
+    path does not target the arch is a "skipped" record. A compiler crash breaks the pool; the
+    variants it took down are compiled again each in a process of its own (``_after_crash``),
+    so only the one that crashes is recorded as an error.
+    """
+
+    def __init__(
+        self, arch: str, jobs: int = 0, root: Path | None = None, force: bool = False
+    ) -> None:
+        self.arch = arch
+        self.jobs = jobs or os.cpu_count() or 1
+        self.root = root
+        self.force = force  # compile again even where the cache holds a record
+        self._pool: futures.ProcessPoolExecutor | None = None
+        self._generation = 0  # counts pools: a crash replaces only the pool it broke
+        self._pending: dict[str, tuple[futures.Future[CompileRecord], int]] = {}
+        self._lost: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, variant: Variant) -> None:
+        with self._lock:
+            self._submit(variant)
+
+    def result(self, variant: Variant) -> CompileRecord:
+        """The variant's record (submitted now if it was not); never raises for a failure."""
+        with self._lock:
+            future, generation = self._submit(variant)
+        try:
+            return future.result()
+        except futures.process.BrokenProcessPool as err:
+            return self._after_crash(variant, future, generation, err)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+    def _submit(self, variant: Variant) -> tuple[futures.Future[CompileRecord], int]:
+        if variant.name in self._pending:
+            return self._pending[variant.name]
+        known = self._known(variant)
+        if known is not None:
+            done: futures.Future[CompileRecord] = futures.Future()
+            done.set_result(known)
+            self._pending[variant.name] = (done, -1)
+        else:
+            if self._pool is None:
+                self._pool = self._executor(self.jobs)
+                self._generation += 1
+            self._pending[variant.name] = (self._send(self._pool, variant), self._generation)
+        return self._pending[variant.name]
+
+    def _known(self, variant: Variant) -> CompileRecord | None:
+        """The record without a worker: skipped, or cached (unless forced); else None."""
+        if self.arch not in variant.spec.archs:
+            return CompileRecord(variant.name, self.arch, digest(variant), "skipped", 0.0,
+                                 error=f"path {variant.path!r} targets "
+                                       f"{', '.join(variant.spec.archs)}")  # fmt: skip
+        if self.force:
+            return None
+        return cached_record(variant, self.arch, self.root)
+
+    def _after_crash(
+        self, variant: Variant, broken: futures.Future[CompileRecord], generation: int,
+        err: Exception,
+    ) -> CompileRecord:  # fmt: skip
+        """The crash-retry routine: ``variant`` was in a pool that a dying worker broke."""
+        with self._lock:
+            if self._pending[variant.name][0] is not broken:  # another thread took it on
+                again, alone = self._pending[variant.name][0], None
+            else:
+                self._lost[variant.name] += 1
+                if self._pool is not None and generation == self._generation:
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                    self._pool = None
+                if self._lost[variant.name] > 1:
+                    return self._died(variant, err)
+                alone = self._executor(1)  # its own process: a crash now names it
+                again = self._send(alone, variant)
+                self._pending[variant.name] = (again, -1)
+        try:
+            return again.result()
+        except futures.process.BrokenProcessPool as died:
+            return self._died(variant, died)
+        finally:
+            if alone is not None:
+                alone.shutdown()
+
+    def _executor(self, jobs: int) -> futures.ProcessPoolExecutor:
+        return futures.ProcessPoolExecutor(
+            max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+            initializer=init_worker, initargs=(self.arch,),
+        )  # fmt: skip
+
+    def _send(
+        self, pool: futures.ProcessPoolExecutor, variant: Variant
+    ) -> futures.Future[CompileRecord]:
+        root = str(self.root) if self.root else None
+        return pool.submit(compile_named, variant.name, self.arch, root, self.force)
+
+    def _died(self, variant: Variant, err: BaseException) -> CompileRecord:
+        return CompileRecord(variant.name, self.arch, digest(variant), "error", 0.0,
+                             error=f"the compiler process died: {err}")  # fmt: skip
+
+
 def compile_many(
     variants: Sequence[Variant],
     archs: Iterable[str],
@@ -211,70 +389,17 @@ def compile_many(
     force: bool = False,
     on_result: Callable[[CompileRecord], None] | None = None,
 ) -> list[CompileRecord]:
-    """Compile every (variant, arch) in ``jobs`` spawned worker processes (0: one per CPU).
-
-    Spawned, not forked: the DSL's MLIR context does not survive a fork. A worker that dies
-    (a crash in the compiler) breaks its pool; the variants in flight then are compiled
-    again one per process, so only the one that crashes is recorded as an error.
-    """
-    jobs = jobs or os.cpu_count() or 1
+    """Every (variant, arch) through a ``CompilePool`` of ``jobs`` processes (0: one per CPU),
+    in the order of ``variants``; ``on_result`` sees each build's record (not the skipped)."""
     records: list[CompileRecord] = []
-
-    def report(record: CompileRecord) -> None:
-        records.append(record)
-        if on_result:
-            on_result(record)
-
     for arch in archs:
-        supported = [v for v in variants if arch in v.spec.archs]
-        for v in variants:
-            if arch not in v.spec.archs:
-                records.append(
-                    CompileRecord(v.name, arch, digest(v), "skipped", 0.0,
-                                  error=f"path {v.path!r} targets {', '.join(v.spec.archs)}")
-                )  # fmt: skip
-        lost = _compile_in_pool(supported, arch, jobs, root, force, report)
-        for v in lost:  # one process each: a crash now names its variant
-            _compile_in_pool([v], arch, 1, root, force, report, crashed_is_error=True)
+        with CompilePool(arch, jobs, root, force) as pool:
+            for v in variants:
+                pool.submit(v)
+            for v in variants:
+                records.append(pool.result(v))
+                if on_result and records[-1].status != "skipped":
+                    on_result(records[-1])
     order = {v.name: i for i, v in enumerate(variants)}
     records.sort(key=lambda r: (order.get(r.variant, 0), r.arch))
     return records
-
-
-def _compile_in_pool(
-    variants: Sequence[Variant],
-    arch: str,
-    jobs: int,
-    root: Path | None,
-    force: bool,
-    report: Callable[[CompileRecord], None],
-    crashed_is_error: bool = False,
-) -> list[Variant]:
-    """Compile ``variants`` in one pool; returns those lost to a dead worker (unless
-    ``crashed_is_error``, which records them as errors instead)."""
-    if not variants:
-        return []
-    lost: list[Variant] = []
-    with futures.ProcessPoolExecutor(
-        max_workers=min(jobs, len(variants)),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=init_worker,
-        initargs=(arch,),
-    ) as pool:
-        pending = {
-            pool.submit(compile_named, v.name, arch, str(root) if root else None, force): v
-            for v in variants
-        }
-        for done in futures.as_completed(pending):
-            v = pending[done]
-            try:
-                report(done.result())
-            except futures.process.BrokenProcessPool as err:
-                if not crashed_is_error:
-                    lost.append(v)
-                    continue
-                report(
-                    CompileRecord(v.name, arch, digest(v), "error", 0.0,
-                                  error=f"the compiler process died: {err}")
-                )  # fmt: skip
-    return lost

@@ -165,7 +165,7 @@ def _compile(
     variants: list[Variant], arch: str, jobs: int, on_compiled: Callable[[object], None] | None
 ) -> dict[str, tuple[Path, str]]:
     """Compile (or reuse from the cache) each variant; its exported object and symbol."""
-    from kdagen.compile import compile_many, export_symbol, variant_dir
+    from kdagen.compile import compile_many, export_symbol, object_path
 
     records = compile_many(variants, [arch], jobs=jobs, on_result=on_compiled)
     failed = [r for r in records if not r.ok]
@@ -174,7 +174,7 @@ def _compile(
             f"{len(failed)} variant(s) did not compile for {arch}, e.g. {failed[0].variant}:\n"
             f"{failed[0].error}"
         )
-    return {v.name: (variant_dir(v) / arch / "kernel.o", export_symbol(v)) for v in variants}
+    return {v.name: (object_path(v, arch), export_symbol(v)) for v in variants}
 
 
 def _readme(manifest: dict) -> str:

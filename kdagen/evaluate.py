@@ -29,7 +29,7 @@ from kdagen.worker import Worker, WorkerFailure
 
 
 class Compiler(Protocol):
-    """``worker.PoolCompiler`` or ``simulate.SimulatedCompiler``."""
+    """``compile.CompilePool`` or ``simulate.SimulatedCompiler``."""
 
     def submit(self, variant: Variant) -> None: ...
     def result(self, variant: Variant) -> CompileRecord: ...

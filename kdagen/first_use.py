@@ -12,42 +12,22 @@ and so do the build-side modules that launch (check, bench, the GPU tests).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from kdagen import compile as kcompile
 from kdagen.render import kernels_digest, template_digest
 from kdagen.serve import kernel_source
-from kdagen.serve.abi import placeholder_args
 from kdagen.serve.dispatch import DispatchTable
 from kdagen.serve.fingerprint import dsl_version
 from kdagen.serve.variant import Variant, VariantError
 
 
 class FirstUse:
-    """Kernels from the compile cache (``kdagen.compile``), compiled where missing."""
+    """Kernels from the compile cache (``kdagen.compile.load_kernel``: the entries
+    ``kdagen compile`` and the tuner write), compiled in this process where missing."""
 
     def load(self, variant: Variant, arch: str) -> Any:
-        import cutlass.cute as cute  # over a second to import: only once a kernel is needed
-
-        out_dir = kcompile.variant_dir(variant) / arch
-        obj = out_dir / "kernel.o"
-        if obj.exists():
-            try:
-                module = cute.runtime.load_module(str(obj))
-                return getattr(module, kcompile.export_symbol(variant))
-            except Exception as err:  # a stale or foreign object: compile instead
-                warnings.warn(f"kdagen: could not load {obj} ({err}); compiling", stacklevel=2)
-        compiled = cute.compile(
-            kcompile.kernel_object(variant), *placeholder_args(variant),
-            options=kcompile.compile_options(arch),
-        )  # fmt: skip
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            compiled.export_to_c(str(out_dir), "kernel", kcompile.export_symbol(variant))
-        except Exception as err:  # the in-process function still works
-            warnings.warn(f"kdagen: could not export {variant.name}: {err}", stacklevel=2)
-        return compiled
+        return kcompile.load_kernel(variant, arch)
 
     def stale(self, table: DispatchTable, kernel: str) -> str | None:
         """``staleness`` and what to do about it."""

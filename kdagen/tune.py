@@ -47,6 +47,7 @@ import optuna
 
 from kdagen import devices, report
 from kdagen.claims import STALE_S, Claim, Claims, is_claim
+from kdagen.compile import CompilePool
 from kdagen.evaluate import CandidateEvaluator, Compiler, Ledger, Progress
 from kdagen.finals import PICK_RULE, pick_again, run_finals
 from kdagen.schedule import Schedule, Slot
@@ -74,7 +75,7 @@ from kdagen.studies import (
     restart_stale,
     stale_studies,
 )
-from kdagen.worker import PoolCompiler, Worker, WorkerFailure
+from kdagen.worker import Worker, WorkerFailure
 
 __all__ = ["TuneError", "TuneOptions", "TuneResult", "StudyPlan", "plan_studies", "run"]
 
@@ -228,7 +229,7 @@ def _compiler(options: TuneOptions, arch: str) -> Compiler:
         from kdagen.simulate import SimulatedCompiler
 
         return SimulatedCompiler(arch, options.simulate)
-    return PoolCompiler(arch, options.jobs)
+    return CompilePool(arch, options.jobs)
 
 
 def _run(

@@ -1,4 +1,4 @@
-"""The tuner's processes: a supervised GPU worker and a compile pool that runs ahead of it.
+"""The tuner's GPU processes: a supervised worker per GPU, serving the GPU evaluator.
 
 A candidate kernel can hang, fault the GPU context or kill its process. So every GPU call
 runs in a spawned worker process with a deadline; a worker that times out is killed, one
@@ -7,9 +7,9 @@ tuner records the candidate as failed with the reason and carries on.
 
 The GPU worker serves an evaluator object built in the child from a ``"module:Class"``
 factory: ``GpuEvaluator`` (kdagen.check and kdagen.bench, imported there only) or the
-simulated one of ``kdagen.simulate``. Compilation runs in a separate pool of spawned
-processes (``kdagen.compile.compile_variant``, the on-disk cache shared with every other
-run), so candidate n+1 compiles while candidate n is checked and timed.
+simulated one of ``kdagen.simulate``. Compilation runs apart, in ``kdagen.compile.CompilePool``
+(the on-disk cache shared with every other run), so candidate n+1 compiles while candidate n
+is checked and timed.
 
 A tune on several GPUs has a worker per GPU, each pinned by the environment it is spawned
 with (``kdagen.devices.child_env``), and one compile pool that every GPU's thread submits to.
@@ -19,19 +19,14 @@ then the workers), so no candidate is recorded as failed because Ctrl-C killed i
 
 from __future__ import annotations
 
-import concurrent.futures as futures
 import importlib
 import multiprocessing
 import os
 import signal
-import threading
 import traceback
-from collections import Counter
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-from kdagen.compile import CompileRecord, compile_named, init_worker
 from kdagen.serve.variant import Variant
 
 START_TIMEOUT_S = 600.0  # importing torch and the DSL, CUDA init, first bandwidth probe
@@ -280,106 +275,3 @@ def describe_check(cases: list[Any]) -> str | None:
         detail = c.summary() if hasattr(c, "summary") else "outside tolerance"
         return f"wrong result: case {c.case} ({detail})"
     return None
-
-
-# ---- compilation, ahead of the GPU ----
-
-
-class PoolCompiler:
-    """Compiles candidates for one arch in spawned processes as soon as they are asked for.
-
-    Cached variants are read in this process (no worker needed). A compiler crash breaks the
-    pool; the variants it took down are compiled again each in a process of its own, so only
-    the one that crashes is recorded as an error. Shared by the threads of every GPU (a lock
-    around its books; waiting for a compile holds none).
-    """
-
-    def __init__(self, arch: str, jobs: int = 0, root: Path | None = None) -> None:
-        self.arch = arch
-        self.jobs = jobs or os.cpu_count() or 1
-        self.root = str(root) if root else None
-        self._pool: futures.ProcessPoolExecutor | None = None
-        self._generation = 0  # counts pools: a crash replaces only the pool it broke
-        self._pending: dict[str, tuple[futures.Future[CompileRecord], int]] = {}
-        self._lost: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def _executor(self, jobs: int) -> futures.ProcessPoolExecutor:
-        return futures.ProcessPoolExecutor(
-            max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-            initializer=init_worker, initargs=(self.arch,),
-        )  # fmt: skip
-
-    def submit(self, variant: Variant) -> None:
-        with self._lock:
-            self._submit(variant)
-
-    def _submit(self, variant: Variant) -> tuple[futures.Future[CompileRecord], int]:
-        if variant.name in self._pending:
-            return self._pending[variant.name]
-        cached = self._cached(variant)
-        if cached is not None:
-            done: futures.Future[CompileRecord] = futures.Future()
-            done.set_result(cached)
-            self._pending[variant.name] = (done, -1)
-            return self._pending[variant.name]
-        if self._pool is None:
-            self._pool = self._executor(self.jobs)
-            self._generation += 1
-        future = self._pool.submit(compile_named, variant.name, self.arch, self.root)
-        self._pending[variant.name] = (future, self._generation)
-        return self._pending[variant.name]
-
-    def result(self, variant: Variant) -> CompileRecord:
-        with self._lock:
-            future, generation = self._submit(variant)
-        try:
-            return future.result()
-        except futures.process.BrokenProcessPool as err:
-            return self._after_crash(variant, future, generation, err)
-
-    def _after_crash(
-        self, variant: Variant, broken: futures.Future[CompileRecord], generation: int,
-        err: Exception,
-    ) -> CompileRecord:  # fmt: skip
-        with self._lock:
-            if self._pending[variant.name][0] is not broken:  # another thread took it on
-                again = self._pending[variant.name][0]
-                alone = None
-            else:
-                self._lost[variant.name] += 1
-                if self._pool is not None and generation == self._generation:
-                    self._pool.shutdown(wait=False, cancel_futures=True)
-                    self._pool = None
-                if self._lost[variant.name] > 1:
-                    return CompileRecord(
-                        variant.name, self.arch, "", "error", 0.0,
-                        error=f"the compiler process died: {err}",
-                    )  # fmt: skip
-                alone = self._executor(1)  # its own process: a crash now names it
-                again = alone.submit(compile_named, variant.name, self.arch, self.root)
-                self._pending[variant.name] = (again, -1)
-        try:
-            return again.result()
-        except futures.process.BrokenProcessPool as died:
-            return CompileRecord(
-                variant.name, self.arch, "", "error", 0.0,
-                error=f"the compiler process died: {died}",
-            )  # fmt: skip
-        finally:
-            if alone is not None:
-                alone.shutdown()
-
-    def _cached(self, variant: Variant) -> CompileRecord | None:
-        from kdagen.compile import compile_variant, variant_dir
-
-        root = Path(self.root) if self.root else None
-        if (variant_dir(variant, root) / self.arch / "record.json").exists():
-            return compile_variant(variant, self.arch, root)
-        return None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from kdagen import compile as kcompile
+from kdagen import first_use
 from kdagen.cubin import kernel_resources
 from kdagen.sass import disassemble, find_nvdisasm
 from kdagen.serve.variant import Variant
@@ -111,17 +113,75 @@ def test_commit_sass_uses_bulk_copies_and_wide_accesses(records, cache: Path) ->
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
-def test_a_crashing_compiler_process_costs_only_its_variant(tmp_path: Path, monkeypatch) -> None:
-    """A worker that dies mid-compile (here: the rendered module exits the process at import
-    for Q = 1) breaks its pool; the other variants still compile."""
+@pytest.fixture
+def crashing_templates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Variant]:
+    """Templates whose Q = 1 module exits its process at import (a compiler crash), and three
+    variants, Q = 1 among them."""
     templates = tmp_path / "templates"
     shutil.copytree(kcompile.__file__.rsplit("/kdagen/", 1)[0] + "/templates", templates)
     path = templates / "commit" / "bulk.py.j2"
     crash = "{% if variant.window == 1 %}\nimport os\nos._exit(3)\n{% endif %}\n"
     path.write_text(path.read_text().replace("\nK = 128", "\n" + crash + "K = 128", 1))
     monkeypatch.setenv("KDAGEN_TEMPLATES", str(templates))
-    variants = [Variant(kernel="commit", heads=2, window=q, row_split=4) for q in (1, 2, 3)]
-    records = kcompile.compile_many(variants, ["sm_90a"], jobs=2, root=tmp_path / "cache")
+    return [Variant(kernel="commit", heads=2, window=q, row_split=4) for q in (1, 2, 3)]
+
+
+def _compile_many(variants: list[Variant], root: Path) -> list[kcompile.CompileRecord]:
+    return kcompile.compile_many(variants, ["sm_90a"], jobs=2, root=root)
+
+
+def _tuner_threads(variants: list[Variant], root: Path) -> list[kcompile.CompileRecord]:
+    """As the tuner does: every variant submitted early, the results read by a thread each
+    (one per GPU) from one shared pool."""
+    with kcompile.CompilePool("sm_90a", jobs=2, root=root) as pool:
+        for v in variants:
+            pool.submit(v)
+        with ThreadPoolExecutor(len(variants)) as threads:
+            return list(threads.map(pool.result, variants))
+
+
+@pytest.mark.parametrize("driver", [_compile_many, _tuner_threads])
+def test_a_crashing_compiler_process_costs_only_its_variant(
+    driver, crashing_templates: list[Variant], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that dies mid-compile breaks its pool; the other variants still compile.
+    ``kdagen compile`` (compile_many) and the tuner go through the one crash-retry routine."""
+    retried: list[str] = []
+    after_crash = kcompile.CompilePool._after_crash
+
+    def spy(self, variant, *args):
+        retried.append(variant.name)
+        return after_crash(self, variant, *args)
+
+    monkeypatch.setattr(kcompile.CompilePool, "_after_crash", spy)
+    records = driver(crashing_templates, tmp_path / "cache")
     status = {r.variant.split("-")[2]: (r.status, r.error or "") for r in records}
     assert status["q1"][0] == "error" and "process died" in status["q1"][1]
     assert status["q2"][0] == "ok" and status["q3"][0] == "ok"
+    assert crashing_templates[0].name in retried
+
+
+def test_first_use_loads_what_kdagen_compile_wrote(tmp_path: Path, monkeypatch) -> None:
+    """Compile-on-first-use reads the cache entry ``compile_many`` wrote: no compile again."""
+    import cutlass.cute as cute
+
+    monkeypatch.setenv("KDAGEN_CACHE", str(tmp_path))
+    variant = Variant(kernel="commit", heads=2, window=2, row_split=4)
+    [record] = kcompile.compile_many([variant], ["sm_90a"], jobs=1)
+    assert record.ok and kcompile.object_path(variant, "sm_90a", tmp_path).exists()
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(cute, "compile", no_compile)
+    kernel = first_use.SOURCE.load(variant, "sm_90a")
+    assert callable(kernel)
+
+
+def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path) -> None:
+    """Where the cache has no object, first use compiles in this process and writes the entry
+    ``kdagen compile`` then reads as cached."""
+    variant = Variant(kernel="commit", heads=2, window=3, row_split=4)
+    assert callable(kcompile.load_kernel(variant, "sm_90a", tmp_path))
+    [record] = kcompile.compile_many([variant], ["sm_90a"], jobs=1, root=tmp_path)
+    assert record.ok and record.cached

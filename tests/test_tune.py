@@ -17,7 +17,7 @@ from kdagen import render as krender
 from kdagen.check import CaseResult
 from kdagen.claims import is_claim
 from kdagen.cli import app
-from kdagen.compile import variant_dir
+from kdagen.compile import CompilePool, variant_dir
 from kdagen.finals import PICK_RULE, pick_again, pick_winner
 from kdagen.search import (
     FAILURE_SCORE,
@@ -40,7 +40,7 @@ from kdagen.studies import (
     restart_stale,
 )
 from kdagen.tune import TuneOptions, plan_studies, run
-from kdagen.worker import PoolCompiler, Worker, WorkerFailure, describe_check
+from kdagen.worker import Worker, WorkerFailure, describe_check
 
 KEY = "commit-h12-q1-i32"
 FAILURES = {
@@ -299,7 +299,7 @@ def test_compiled_variants_come_from_the_cache_without_a_pool(tmp_path: Path) ->
     record.parent.mkdir(parents=True)
     record.write_text(json.dumps({"variant": variant.name, "arch": "sm_90a", "digest": "d",
                                   "status": "error", "seconds": 1.0, "error": "boom"}))  # fmt: skip
-    compiler = PoolCompiler("sm_90a", jobs=1, root=tmp_path)
+    compiler = CompilePool("sm_90a", jobs=1, root=tmp_path)
     got = compiler.result(variant)
     assert (got.status, got.error, got.cached) == ("error", "boom", True)  # a cached failure
     assert compiler._pool is None  # no compiler process was started for it

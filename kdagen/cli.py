@@ -419,6 +419,11 @@ def emit(
     key: list[str] = typer.Option(
         None, "--key", help="contract key to serve (repeatable; default: every tuned key)"
     ),
+    gate: str = typer.Option(
+        None,
+        help="only the tuned keys of one gate: kda (Kimi-K3's bounded gate) or softplus "
+        "(Kimi-Linear's); default: both",
+    ),
     jobs: int = typer.Option(0, min=0, help="compile processes (0: one per CPU)"),
 ) -> None:
     """Turn a tuned table into a package to vendor: prebuilt kernels, the table and the
@@ -444,7 +449,7 @@ def emit(
             if count[0] % 10 == 0 or count[0] == total:
                 typer.echo(f"  {count[0]}/{total} kernels compiled", err=True)
 
-        done = write_package(table, out, name, key or None, jobs, progress)
+        done = write_package(table, out, name, key or None, jobs, progress, gate=gate)
     except (EmitError, StaleTableError, VariantError) as err:
         typer.echo(f"kdagen emit: {err}", err=True)
         raise typer.Exit(1) from None

@@ -61,10 +61,12 @@ def emit(
     keys: Sequence[str] | None = None,
     jobs: int = 0,
     on_compiled: Callable[[object, int], None] | None = None,
+    gate: str | None = None,
 ) -> Emitted:
     """Write the package ``out/name`` from the table in ``table_dir``; ``keys``: the contract
-    keys to serve (default: every key the table has entries for). ``on_compiled(record,
-    total)`` is called as each of the ``total`` kernels compiles (or comes from the cache)."""
+    keys to serve (default: every key the table has entries for, or only ``gate``'s: a model
+    needs one gate's kernels). ``on_compiled(record, total)`` is called as each of the
+    ``total`` kernels compiles (or comes from the cache)."""
     from kdagen.serve import dispatch
 
     if not name.isidentifier():
@@ -76,6 +78,7 @@ def emit(
         raise EmitError(f"--key given more than once: {', '.join(repeated)}")
     if jobs < 0:
         raise EmitError(f"--jobs {jobs}: must be 0 (one per CPU) or more")
+
     package = out / name
     _refuse_foreign(package)
     table = dispatch.load_table(table_dir)
@@ -84,7 +87,7 @@ def emit(
     arch = str(table.device.get("arch") or "")
     if not arch:
         raise EmitError(f"the table in {table_dir} does not record its GPU's arch")
-    keys = list(keys or table.entries)
+    keys = selected_keys(table, keys, gate)
     choices = {key: _choices(table, key, arch) for key in keys}
     for kernel in sorted({key.split("-", 1)[0] for key in keys}):
         where = str(table_dir / dispatch.TABLE_FILE)
@@ -118,6 +121,18 @@ def emit(
     (package / "README.md").write_text(_readme(manifest))
     size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
     return Emitted(package, table.fingerprint, arch, keys, variants, size, choices)
+
+
+def selected_keys(table: DispatchTable, keys: Sequence[str] | None, gate: str | None) -> list[str]:
+    """The contract keys to serve: ``keys``, else every tuned key (of ``gate`` when given)."""
+    if gate not in (None, "kda", "softplus"):
+        raise EmitError(f"--gate {gate!r}: expected kda or softplus")
+    if gate and keys:
+        raise EmitError("--gate selects among the tuned keys; give it or --key, not both")
+    if keys:
+        return list(keys)
+    gates = {k: str(parse_contract_key(k).get("gate", "kda")) for k in table.entries}
+    return [k for k in table.entries if gate in (None, gates[k])]
 
 
 def _refuse_foreign(package: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdagen.emit import SERVE, EmitError, emit
+from kdagen.emit import SERVE, EmitError, emit, selected_keys
 from kdagen.serve.dispatch import (
     TABLE_FILE,
     DispatchFallbackWarning,
@@ -138,6 +138,20 @@ def test_emit_refuses_a_stale_table(tmp_path: Path) -> None:
     (stale / TABLE_FILE).write_text(json.dumps(data))
     with pytest.raises(StaleTableError, match="the verify kernels it measured changed"):
         emit(stale, tmp_path / "out", keys=["verify-h12-q4-i32"])
+
+
+def test_gate_selects_one_models_keys() -> None:
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    table = load_table(TABLE)
+    assert table is not None
+    softplus, kda = selected_keys(table, None, "softplus"), selected_keys(table, None, "kda")
+    assert softplus and kda and sorted(softplus + kda) == sorted(table.entries)
+    assert all("-softplus-" in k for k in softplus) and not any("softplus" in k for k in kda)
+    with pytest.raises(EmitError, match="--gate 'relu': expected kda or softplus"):
+        selected_keys(table, None, "relu")
+    with pytest.raises(EmitError, match="give it or --key, not both"):
+        selected_keys(table, ["verify-h12-q4-i32"], "kda")
 
 
 def test_emit_names_a_malformed_key(tmp_path: Path) -> None:

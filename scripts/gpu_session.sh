@@ -35,7 +35,8 @@ worst() { python3 - "$@" <<'PY'
 import json, sys
 rows = [r for path in sys.argv[1:] for r in json.load(open(path))]
 print(f"{len(rows)} cases, {sum(bool(r['error']) for r in rows)} with errors")
-for key in ("out_rel_l2", "out_max_rel", "corr_rel_l2", "corr_max_rms"):
+keys = ("out_rel_l2", "out_max_rel", "corr_rel_l2", "corr_max_rms", "max_rel", "rel_l2")
+for key in (k for k in keys if any(k in r for r in rows)):  # verify's, or commit's
     r = max(rows, key=lambda r: r.get(key) or 0.0)
     print(f"worst {key} {r.get(key)}: {r['variant']} ({r['case']})")
 PY

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -35,12 +36,59 @@ def environment() -> jinja2.Environment:
     )
 
 
-def _context(variant: Variant) -> dict[str, object]:
+# Per-CTA trace records (RenderOptions.trace_records): int64 records per CTA, of which the
+# first TRACE_HEADER are per-CTA fields and the rest 4 per unit (scripts/trace_verify.py).
+TRACE_SLOTS = 128
+TRACE_HEADER = 12
+# Measurement bounds (RenderOptions.bound): builds with wrong outputs that time one part of
+# the kernel alone; each with the variants its template expresses it for.
+BOUNDS: dict[str, tuple[Callable[[Variant], bool], str]] = {
+    # every unit's loads and, for a live unit, its stores (of the input registers): no math
+    "loads-stores-only": (lambda v: v.threads == 128 and v.row_split == 1, "one warpgroup, r1"),
+    # every unit reads and writes request 0's rows, which stay in L2: (almost) no HBM traffic
+    "l2-resident": (lambda v: v.row_split == 1, "r1"),
+    # the math without the stores of kg, out and corr (behind a test that never holds)
+    "no-stores": (lambda v: True, "an sm90_wgmma variant"),
+    # the conv's loads and stores without its arithmetic (the raw window for its output)
+    "conv-bytes-only": (lambda v: v.conv and v.threads == 128, "the conv, one warpgroup"),
+}
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Perf-work builds of an sm90_wgmma verify kernel (scripts/trace_verify.py); the
+    defaults render the product's kernel. ``trace_records``: the device address of the
+    per-CTA trace records into which thread 0 of each CTA stores %globaltimer (0: none).
+    ``bound``: a key of ``BOUNDS``, or None."""
+
+    trace_records: int = 0
+    bound: str | None = None
+
+    def check(self, variant: Variant) -> None:
+        """Raise ValueError where ``variant``'s template has no such build."""
+        if self == RenderOptions():
+            return
+        if variant.kernel != "verify" or variant.path != "sm90_wgmma":
+            raise ValueError(f"render options build sm90_wgmma verify kernels, not {variant.name}")
+        if self.bound is None:
+            return
+        if self.bound not in BOUNDS:
+            raise ValueError(f"unknown bound {self.bound!r} (bounds: {', '.join(BOUNDS)})")
+        applies, needs = BOUNDS[self.bound]
+        if not applies(variant):
+            raise ValueError(f"bound {self.bound!r} needs {needs}, not {variant.name}")
+
+
+def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     """Values the templates read besides the variant itself, derived once here."""
     context: dict[str, object] = {
         "variant": variant,
         "template_path": variant.spec.template,
         "softplus": variant.gate == "softplus",
+        "trace": options.trace_records,
+        "trace_slots": TRACE_SLOTS,
+        "trace_header": TRACE_HEADER,
+        "bound": options.bound,
     }
     if variant.kernel == "verify":
         context["conv"] = variant.conv
@@ -50,9 +98,11 @@ def _context(variant: Variant) -> dict[str, object]:
 
 
 @functools.cache
-def render(variant: Variant) -> str:
-    """The variant's kernel module as Python source."""
-    return environment().get_template(variant.spec.template).render(**_context(variant))
+def render(variant: Variant, options: RenderOptions = RenderOptions()) -> str:
+    """The variant's kernel module as Python source (``options``: a perf-work build)."""
+    options.check(variant)
+    template = environment().get_template(variant.spec.template)
+    return template.render(**_context(variant, options))
 
 
 @functools.cache

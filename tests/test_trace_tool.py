@@ -1,68 +1,82 @@
-"""The perf-work trace tool (`scripts/trace_verify.py`) still patches the renders it names:
-each experiment either applies, giving valid Python with and without the trace records, or
-refuses a render it does not target. Catches a template change that silently breaks an
-A/B baseline (CPU only: nothing is compiled or run)."""
+"""The perf-work render options (``kdagen.render.RenderOptions``, driven by
+`scripts/trace_verify.py`): each renders valid Python where it applies and refuses clearly
+where it does not, and the defaults leave every product render as it was."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-import os
+from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from kdagen.compile import compile_options
+from kdagen.render import BOUNDS, RenderOptions, render
+from kdagen.serve.abi import placeholder_args
 from kdagen.serve.variant import Variant
 
-TOOL = Path(__file__).resolve().parents[1] / "scripts" / "trace_verify.py"
-CONV_OFF = "verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
-CONV = "verify-h12-q8-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
-# The patches that target the other kind of render, and so must refuse this one.
-REFUSED = {
-    CONV_OFF: {"conv-bytes-only", "conv-no-silu", "silu-no-test", "silu-settle-kv"},
-    CONV: {"tma-window-late", "window-guess", "window-misguess", "branch-stores"},
-}
+BASE = Variant(kernel="verify", heads=12, window=8, path="sm90_wgmma", ctas=396)
+VARIANTS = [
+    BASE,  # one warpgroup, conv off, kda gate
+    replace(BASE, threads=256, ctas=264),  # two warpgroups
+    replace(BASE, conv=True),
+    replace(BASE, gate="softplus"),
+    replace(BASE, conv=True, gate="softplus", window=5),
+]
+TRACE = 1 << 40  # a records address: any value renders
+OPTIONS = [RenderOptions(trace_records=TRACE)] + [
+    RenderOptions(trace, bound) for trace in (0, TRACE) for bound in BOUNDS
+]
 
 
-@pytest.fixture(scope="module")
-def tool() -> ModuleType:
-    """The tool as a module; its import points KDAGEN_CACHE at a scratch folder, which is
-    put back so the rest of the session keeps its cache."""
-    saved = os.environ.get("KDAGEN_CACHE")
-    spec = importlib.util.spec_from_file_location("trace_verify", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            os.environ.pop("KDAGEN_CACHE", None)
-        else:
-            os.environ["KDAGEN_CACHE"] = saved
-    return module
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-@pytest.mark.parametrize("name", [CONV_OFF, CONV])
-def test_every_experiment_applies_or_refuses_its_render(tool: ModuleType, name: str) -> None:
-    source = tool.ORIGINAL_RENDER(Variant.parse(name))
-    applied = []
-    for config, apply in tool.CONFIGS.items():
-        if config in REFUSED[name]:
-            with pytest.raises(SystemExit):
-                apply(source)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_every_option_renders_python_or_refuses(variant: Variant) -> None:
+    plain = render(variant)
+    for options in OPTIONS:
+        applies = options.bound is None or BOUNDS[options.bound][0](variant)
+        if not applies:
+            with pytest.raises(ValueError, match=f"bound '{options.bound}' needs"):
+                render(variant, options)
             continue
-        patched = apply(source)
-        compile(patched, f"{name}+{config}", "exec")
-        compile(tool.patch(patched, 0), f"{name}+{config} (traced)", "exec")
-        applied.append(config)
-    assert "prologue" in applied and len(applied) == len(tool.CONFIGS) - len(REFUSED[name])
+        source = render(variant, options)
+        assert source != plain, options
+        compile(source, f"{variant.name} {options}", "exec")
 
 
-def test_a_patch_changes_the_render(tool: ModuleType) -> None:
-    """The bounds are not silent no-ops: each rewrites the render it applies to."""
-    source = tool.ORIGINAL_RENDER(Variant.parse(CONV_OFF))
-    bounds = ("io-only", "l2-resident", "l2-spread", "probe-hi-only", "probe-lo-as-hi")
-    bounds += ("no-fence", "lookahead-wide", "no-stores", "norms-free")
-    moves = ("lookahead-after-fence", "io-after-fence", "window-guess", "window-misguess")
-    moves += ("serial-coupling", "branch-stores", "early-states", "late-third", "staggered")
-    for config in (*bounds, *moves, "accurate-decay"):
-        assert tool.CONFIGS[config](source) != source, config
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_default_options_render_the_product_kernel(variant: Variant) -> None:
+    assert _sha(render(variant, RenderOptions())) == _sha(render(variant))
+    assert "trace_put" not in render(variant)
+
+
+def test_a_bound_refuses_what_it_does_not_apply_to() -> None:
+    with pytest.raises(ValueError, match="conv-bytes-only.*needs the conv"):
+        render(BASE, RenderOptions(bound="conv-bytes-only"))
+    with pytest.raises(ValueError, match="loads-stores-only.*needs one warpgroup, r1"):
+        render(replace(BASE, row_split=2), RenderOptions(bound="loads-stores-only"))
+    with pytest.raises(ValueError, match="unknown bound"):
+        render(BASE, RenderOptions(bound="no-math"))
+    commit = Variant(kernel="commit", heads=2, window=2)
+    with pytest.raises(ValueError, match="sm90_wgmma verify"):
+        render(commit, RenderOptions(trace_records=TRACE))
+
+
+def test_a_traced_bound_builds_for_sm90a(tmp_path: Path) -> None:
+    """Compiled GPU-less outside the compile cache, whose key is the product render (the
+    trace tool builds in a scratch cache)."""
+    import cutlass.cute as cute
+
+    options = RenderOptions(trace_records=TRACE, bound="no-stores")
+    path = tmp_path / "kernel.py"
+    path.write_text(render(BASE, options))
+    spec = importlib.util.spec_from_file_location("traced_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = getattr(module, BASE.spec.class_name)()
+    cute.compile(kernel, *placeholder_args(BASE), options=compile_options("sm_90a", tmp_path))
+    assert list(tmp_path.glob("*.cubin"))

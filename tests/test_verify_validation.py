@@ -3,15 +3,18 @@ error naming the tensor and what was expected, before anything reaches the DSL."
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from kdagen.serve import vllm
 from kdagen.serve.runtime import validate_verify
 from kdagen.serve.validate import KdaInputError
 from kdagen.serve.variant import Variant
-from kdagen.serve.vllm import kda_recoverssm_verify
+from kdagen.serve.vllm import kda_recoverssm_verify, kda_recoverssm_verify_records
 from kdagen.testing import make_verify_inputs, verify_args
 
 H, Q = 2, 4
@@ -107,3 +110,26 @@ def test_vllm_entry_rejects_bad_layouts() -> None:
     strided = torch.zeros(1, t, 128, H, dtype=torch.bfloat16).transpose(2, 3)
     with pytest.raises(KdaInputError, match="`k` heads must be contiguous"):
         kda_recoverssm_verify(q, strided, *args[2:], -5.0, *tail)
+
+
+# vLLM 0.33.0's kda_recoverssm_verify (vllm/models/kimi_k3/nvidia/ops/recoverssm.py), by name.
+VLLM_033_VERIFY = (
+    "q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias", "lower_bound", "checkpoint_state",
+    "records", "query_start_loc", "state_indices", "spec_query_len", "out",
+)  # fmt: skip
+
+
+def test_vllm_033_entry_takes_its_records_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tuple(inspect.signature(kda_recoverssm_verify_records).parameters) == VLLM_033_VERIFY
+    x = _inputs()
+    q = torch.zeros(1, x["qkv"].shape[0], H, 128, dtype=torch.bfloat16)
+    head = (q, q, q, q, q[..., 0], x["a_log"], x["dt_bias"], None, x["state"])
+    tail = (x["query_start"], x["slots"], Q)
+    with pytest.raises(KdaInputError, match=r"`records` must have .* missing \['key_gate'\]"):
+        kda_recoverssm_verify_records(*head, SimpleNamespace(correction=x["corr"]), *tail)
+    seen = {}
+    monkeypatch.setattr(vllm, "verify_records", lambda *a, **kw: seen.update(args=a, **kw))
+    records = SimpleNamespace(correction=x["corr"], key_gate=x["kg"])
+    kda_recoverssm_verify_records(*head, records, *tail)
+    assert seen["records_by_slot"] is False  # row b is request b's
+    assert seen["args"][9] is x["corr"] and seen["args"][10] is x["kg"]

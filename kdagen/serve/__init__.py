@@ -28,6 +28,7 @@ _API = {
     "ModelCommit": "model_commit",
     "KdaInputError": "validate",
     "kda_recoverssm_verify": "vllm",
+    "kda_recoverssm_verify_records": "vllm",
     "KDARecoverSSMCommitContext": "vllm",
     "ops": "ops",
 }

@@ -3,7 +3,8 @@
 
 Same signature and layouts as vLLM's Triton kernel (and FlashInfer's CuTe-DSL one): q, k, v,
 raw_g [1, T, H, 128], raw_beta [1, T, H], the correction and key/gate caches indexed by state
-block (``state_indices[b]``, not by request), null block 0, conv done upstream.
+block (``state_indices[b]``, not by request), null block 0, conv done upstream. vLLM 0.33's
+verify takes one records object instead, rows per request: ``kda_recoverssm_verify_records``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,37 @@ def kda_recoverssm_verify(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, checkpoint_state,
         correction_cache, kg_cache, query_start_loc, state_indices, spec_query_len, out,
         records_by_slot=True,
+    )  # fmt: skip
+
+
+def kda_recoverssm_verify_records(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,  # noqa: N803 (vLLM's parameter name)
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    checkpoint_state: torch.Tensor,
+    records: Any,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    spec_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """vLLM 0.33's ``kda_recoverssm_verify``: the same verify, with the records in one
+    object (``records.correction`` [rows, H, Q, 128] fp32 and ``records.key_gate`` [rows, H,
+    Q, 256] bf16, vLLM's ``KDARecoverSSMRecords``) whose row b is request b's."""
+    found = {name: getattr(records, name, None) for name in ("correction", "key_gate")}
+    missing = [name for name, t in found.items() if not isinstance(t, torch.Tensor)]
+    if missing:
+        raise KdaInputError(f"{OP}: `records` must have tensor attributes `correction` and "
+                            f"`key_gate` (vLLM's KDARecoverSSMRecords); missing {missing}")  # fmt: skip
+    return verify_records(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, checkpoint_state,
+        found["correction"], found["key_gate"], query_start_loc, state_indices, spec_query_len,
+        out, records_by_slot=False,
     )  # fmt: skip
 
 

@@ -147,27 +147,37 @@ def check_path(op: str, path: Tensor, count: Tensor, live: Tensor, window: int) 
 # --------------------------------------------------------------------------- checks
 
 
-def _check_tree_verify(args: VerifyArgs, parents: Tensor) -> None:
-    """The run-time's verify checks, with the window lifted to 16: corr and kg are checked
-    here, the rest by ``check_verify`` on a window-1 stand-in (whose shape check is 1..8)."""
-    op = VERIFY_TREE_OP
-    corr = args.corr
-    if not (isinstance(corr, torch.Tensor) and corr.dim() == 4):
-        raise KdaInputError(f"{op}: `corr` must have shape [rows, H, Q (1..16), 128]")
+def _check_records(op: str, corr: object, kg: object) -> tuple[int, Tensor, Tensor]:
+    """corr ``[rows, H, Q, 128]`` (any float) and kg ``[rows, H, Q, 256]`` bf16 with Q in
+    1..16; returns Q and window-1 stand-ins for the run-time's checks (whose window is 1..8)."""
+    if not (isinstance(corr, Tensor) and corr.dim() == 4):
+        shape = list(corr.shape) if isinstance(corr, Tensor) else type(corr).__name__
+        raise KdaInputError(f"{op}: `corr` must have shape [rows, H, Q, 128], got {shape}")
     rows, heads, window = corr.shape[:3]
     if not 1 <= window <= MAX_TREE_WINDOW:
-        raise KdaInputError(f"{op}: `corr` window must be 1..{MAX_TREE_WINDOW}, got {window}")
+        raise KdaInputError(f"{op}: `corr` window Q must be 1..{MAX_TREE_WINDOW}, got {window}")
     device = corr.device
-    stand_in = args.with_(
-        corr=torch.zeros(rows, heads, 1, 128, dtype=torch.float64, device=device),
-        kg=torch.zeros(rows, heads, 1, 256, dtype=torch.bfloat16, device=device),
-        lower_bound=None,
-        conv_state=_conv_stand_in(args, window),
-    )
-    check_verify(stand_in, op=op, require_cuda=False, float_results=True)
-    gate_of(op, args.lower_bound)  # fp64 needs no window bound; docs say what kernels need
-    check_tensor(op, "kg", args.kg, dims=[rows, heads, window, 2 * K], dtypes=[torch.bfloat16],
+    check_tensor(op, "corr", corr, dims=[rows, heads, window, 128],
+                 dtypes=[torch.bfloat16, torch.float32, torch.float64], device=device)  # fmt: skip
+    check_tensor(op, "kg", kg, dims=[rows, heads, window, 2 * K], dtypes=[torch.bfloat16],
                  device=device)  # fmt: skip
+    return (
+        window,
+        torch.zeros(rows, heads, 1, 128, dtype=corr.dtype, device=device),
+        torch.zeros(rows, heads, 1, 2 * K, dtype=torch.bfloat16, device=device),
+    )
+
+
+def _check_tree_verify(args: VerifyArgs, parents: Tensor) -> None:
+    """The run-time's verify checks with the window lifted to 16: the records, conv state and
+    gate at the real window here, the rest by ``check_verify`` on window-1 stand-ins."""
+    op = VERIFY_TREE_OP
+    window, corr, kg = _check_records(op, args.corr, args.kg)
+    stand_in = args.with_(corr=corr, kg=kg, lower_bound=None,
+                          conv_state=_conv_stand_in(args, window))  # fmt: skip
+    check_verify(stand_in, op=op, require_cuda=False, float_results=True)
+    gate_of(op, args.lower_bound)  # fp64 needs no window bound; the docs say what kernels need
+    device = args.corr.device
     if args.conv_state is not None:
         check_tensor(op, "conv_state", args.conv_state,
                      dims=[args.state.shape[0], *_conv_rows_shape(args, window)],
@@ -350,17 +360,15 @@ def commit_path(
     """``kdagen.reference.commit`` for a tree: folds ``path[b, :accepted[b]]`` (node positions,
     root first) of records row b into ``state[slots[b]]``; with ``conv_state`` also compacts
     the path's last three tokens into rows 0..2 (see ``commit_path_layers``)."""
-    window = args.corr.shape[2] if isinstance(args.corr, Tensor) and args.corr.dim() == 4 else 0
-    if not 1 <= window <= MAX_TREE_WINDOW:
-        raise KdaInputError(f"{COMMIT_PATH_OP}: `corr` window must be 1..{MAX_TREE_WINDOW}")
-    rows, heads = args.corr.shape[:2]
-    stand_in = args.with_(
-        corr=torch.zeros(rows, heads, 1, 128, dtype=torch.float64, device=args.corr.device),
-        kg=torch.zeros(rows, heads, 1, 256, dtype=torch.bfloat16, device=args.corr.device),
-    )
-    check_commit(stand_in, op=COMMIT_PATH_OP, require_cuda=False, float_results=True)
-    check_tensor(COMMIT_PATH_OP, "kg", args.kg, dims=[rows, heads, window, 2 * K],
-                 dtypes=[torch.bfloat16], device=args.corr.device)  # fmt: skip
+    window, corr, kg = _check_records(COMMIT_PATH_OP, args.corr, args.kg)
+    check_commit(args.with_(corr=corr, kg=kg), op=COMMIT_PATH_OP, require_cuda=False,
+                 float_results=True)  # fmt: skip
+    if conv_state is not None:
+        channels = 3 * args.state.shape[1] * K
+        rows = [channels, window + 2] if conv_dim_first else [window + 2, channels]
+        check_tensor(COMMIT_PATH_OP, "conv_state", conv_state,
+                     dims=[args.state.shape[0], *rows], dtypes=[torch.bfloat16],
+                     device=args.state.device)  # fmt: skip
     commit_path_layers(
         [args.state], [args.corr], [args.kg], args.a_log[None], args.dt_bias[None], args.slots,
         path, args.accepted, lower_bound=args.lower_bound, null_slot=args.null_slot,

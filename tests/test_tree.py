@@ -307,6 +307,21 @@ def test_bad_paths_are_refused() -> None:
             tree.commit_path(commit_args(clone_inputs(inp), accepted), path)
 
 
+def test_windows_past_16_and_wrong_conv_states_are_refused() -> None:
+    inp = tree_inputs(2, 1, 17, conv=True, lower_bound=-5.0, seed=3, nulls=False)
+    parents = random_parents(inp["qlen"], torch.Generator())
+    with pytest.raises(KdaInputError, match="1..16"):
+        tree.verify_tree(verify_args(clone_inputs(inp)), parents)
+    accepted = torch.ones(2, dtype=torch.int32)
+    path = torch.zeros(2, 17, dtype=torch.int32)
+    with pytest.raises(KdaInputError, match="1..16"):
+        tree.commit_path(commit_args(clone_inputs(inp), accepted), path)
+    inp = tree_inputs(2, 1, 16, conv=True, lower_bound=-5.0, seed=3, nulls=False)
+    with pytest.raises(KdaInputError, match="conv_state"):
+        tree.commit_path(commit_args(inp, accepted), path[:, :16].contiguous(),
+                         conv_state=inp["conv_state"][:, :17])  # fmt: skip
+
+
 def test_ancestor_table() -> None:
     parents = torch.tensor([-1, 0, 0, 1, 3])
     table = tree.ancestor_table(parents).int().tolist()
@@ -337,3 +352,48 @@ def test_all_layer_commit_is_each_layers_commit() -> None:
     for d, want in zip(done, one, strict=True):
         assert torch.equal(d["state_pool"].nan_to_num(7.0), want["state_pool"].nan_to_num(7.0))
         assert torch.equal(d["conv_state"], want["conv_state"])
+
+
+def test_a_chain_commit_compacts_the_history_the_chain_verify_reads() -> None:
+    """Two windows with conv: the chain reference (next verify reads rows a-1..a+1) and the
+    tree reference on chains (commit compacts them into rows 0..2, next verify with
+    accepted = 1) give the same second window, bit for bit."""
+    window, batch = 8, 5
+    first = tree_inputs(batch, 2, window, conv=True, lower_bound=-5.0, seed=31)
+    chain = random_parents(first["qlen"], torch.Generator(), chain=True)
+    accepted = torch.tensor([max(1, q // 2) if q else 0 for q in first["qlen"]], dtype=torch.int32)
+    path = torch.arange(window, dtype=torch.int32).expand(batch, window).contiguous()
+
+    ours, theirs = clone_inputs(first), clone_inputs(first)
+    tree.verify_tree(verify_args(ours), chain)
+    tree.commit_path(commit_args(ours, accepted), path, conv_state=ours["conv_state"])
+    reference.verify(verify_args(theirs))
+    reference.commit(commit_args(theirs, accepted))
+
+    second = tree_inputs(batch, 2, window, conv=True, lower_bound=-5.0, seed=32)
+    second["slots"], second["a_log"], second["dt_bias"] = (
+        first["slots"],
+        first["a_log"],
+        first["dt_bias"],
+    )
+    second["conv_w"] = first["conv_w"]
+    chain = random_parents(second["qlen"], torch.Generator(), chain=True)
+    # Requests that committed nothing kept their history where the first window read it.
+    committed = accepted > 0
+    results = []
+    for done, next_accepted in ((ours, torch.ones_like(accepted)), (theirs, accepted)):
+        step = clone_inputs(second)
+        for name in ("state_pool", "conv_state"):
+            step[name] = done[name]
+        step["state"] = done["state"]
+        step["accepted"] = torch.where(committed, next_accepted, first["accepted"])
+        if done is ours:
+            tree.verify_tree(verify_args(step), chain)
+        else:
+            reference.verify(verify_args(step))
+        results.append(step)
+    for name in ("out", "corr", "kg"):
+        assert torch.equal(*(r[name].nan_to_num(7.0) for r in results)), name
+    rolled = [s for s, q in zip(second["slots"].tolist(), second["qlen"], strict=True)
+              if s > second["null_slot"] and q > 0]  # fmt: skip
+    assert torch.equal(*(r["conv_state"][rolled] for r in results))

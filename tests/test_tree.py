@@ -178,6 +178,7 @@ def test_verify_tree_matches_node_by_node_oracle(case: tuple) -> None:
         bos, qlen = starts[b], starts[b + 1] - starts[b]
         if slot <= inp["null_slot"]:
             assert (got["out"][bos : bos + qlen] == 0).all()
+            assert torch.isnan(got["corr"][b]).all()  # a padding request records nothing
             continue
         mine = request_parents(parents, bos, qlen)
         hist = history_of(inp, slot) if conv else None
@@ -281,6 +282,20 @@ def test_speculative_loop_on_trees() -> None:
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def test_narrow_buffers_hold_the_fp64_results_rounded() -> None:
+    """bf16 state and out, fp32 corr (the pool's and kernels' dtypes): the fp64 results cast
+    on store."""
+    wide = tree_inputs(4, 2, 16, conv=True, lower_bound=-5.0, seed=41)
+    narrow = make_verify_inputs(4, 2, 16, conv=True, seed=41, lower_bound=-5.0)
+    wide["state_pool"].copy_(narrow["state_pool"])  # the same bf16-valued pool
+    parents = random_parents(wide["qlen"], torch.Generator().manual_seed(1))
+    got = run_tree_verify(narrow, parents)
+    want = run_tree_verify(wide, parents)
+    assert torch.equal(got["out"].nan_to_num(7.0), want["out"].bfloat16().nan_to_num(7.0))
+    assert torch.equal(got["corr"].nan_to_num(7.0), want["corr"].float().nan_to_num(7.0))
+    assert torch.equal(got["kg"].nan_to_num(7.0), want["kg"].nan_to_num(7.0))
 
 
 def test_bad_parents_are_refused() -> None:

@@ -165,7 +165,13 @@ def conv_window_outputs(window: Tensor, conv_w: Tensor) -> Tensor:
 
 
 def solve_window(
-    s0: Tensor, k_n: Tensor, q_n: Tensor, v: Tensor, beta: Tensor, g_cum: Tensor
+    s0: Tensor,
+    k_n: Tensor,
+    q_n: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    g_cum: Tensor,
+    ancestors: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The delta-rule recurrence over one window, in closed form (one read of the state).
 
@@ -178,6 +184,11 @@ def solve_window(
     u_i`` with ``p_t = e^{G_t} k_t``, ``r_t = e^{G_t} q_t``. The couplings are summed as
     ``sum_c k_i[c] x_t[c] exp(G_t[c] - G_i[c])`` so no ``exp(-G)`` factor can overflow. A token
     with ``beta = 0`` and ``k_n = 0`` is inert, which is how positions past ``qlen`` are masked.
+
+    ``ancestors`` (a token tree, see ``kdagen.tree``): a bool ``[..., Q, Q]`` mask broadcasting
+    against ``[..., Q, Q]`` with ``[t, i]`` true where i is an ancestor of t or t itself (parents
+    before children); the sums then run over ancestors instead of all earlier positions and
+    ``g_cum`` holds each node's log decay along its root path. None is the chain.
     """
     window = k_n.shape[-2]
     decay = torch.exp(g_cum)
@@ -185,9 +196,11 @@ def solve_window(
     proj = probes @ s0.transpose(-1, -2)  # row n: S0 @ probe_n, [..., 2Q, V]
     pos = torch.arange(window, device=k_n.device)
     causal = pos[:, None] >= pos[None, :]  # [t, i]: i <= t
-    strict = pos[:, None] > pos[None, :]
+    if ancestors is not None:
+        causal = ancestors & causal  # ancestors precede their descendants
+    strict = causal & (pos[:, None] != pos[None, :])
     rel = g_cum[..., :, None, :] - g_cum[..., None, :, :]  # [..., t, i, K]: G_t - G_i
-    weighted = torch.exp(torch.where(causal[:, :, None], rel, 0.0)) * k_n[..., None, :, :]
+    weighted = torch.exp(torch.where(causal[..., None], rel, 0.0)) * k_n[..., None, :, :]
     c = torch.einsum("...tik,...tk->...ti", weighted, k_n)
     d = torch.einsum("...tik,...tk->...ti", weighted, q_n)
     c = torch.where(strict, c, 0.0)

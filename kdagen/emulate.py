@@ -35,6 +35,7 @@ from kdagen.reference import (
     conv_window_outputs,
     fma_f32,
     request_layout,
+    roll_conv_state,
 )
 from kdagen.serve.contract import VerifyArgs, check_verify
 
@@ -173,22 +174,8 @@ def _activations(
     slot = req.slot[:, None]
     hist = conv_state[slot, :, rows] if dim_first else conv_state[slot, rows]  # [B, 3, C]
     mixed = conv_window_outputs(torch.cat([hist, raw], dim=1), conv_w)
-    _roll_conv_state(conv_state, req, hist, raw, dim_first)
+    roll_conv_state(conv_state, req, hist, raw, dim_first)
     return mixed
-
-
-def _roll_conv_state(
-    conv_state: Tensor, req: Requests, hist: Tensor, raw: Tensor, dim_first: bool
-) -> None:
-    """Live requests' conv rows become ``hist[1], hist[2]``, then raw tokens ``t < qlen``."""
-    rolled = torch.cat([hist[:, 1:], raw], dim=1)  # [B, Q + 2, C]
-    row = torch.arange(rolled.shape[1], device=raw.device)
-    write = req.live[:, None] & (row[None, :] < 2 + req.qlen[:, None])
-    b_idx, r_idx = torch.nonzero(write, as_tuple=True)
-    if dim_first:
-        conv_state[req.slot[b_idx], :, r_idx] = rolled[b_idx, r_idx]
-    else:
-        conv_state[req.slot[b_idx], r_idx] = rolled[b_idx, r_idx]
 
 
 def softplus_gate_floor(window: int) -> float:

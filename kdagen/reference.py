@@ -329,9 +329,17 @@ def _convolve_and_roll(
     history = torch.arange(CONV_WIDTH - 1, device=raw.device)
     hist = _conv_rows(conv_state, req.slot, first[:, None] + history, dim_first)  # [B, 3, C]
     y = conv_window_outputs(torch.cat([hist, raw], dim=1), conv_w)
-    # Rolled rows: the last two history tokens, then the raw tokens t < qlen.
+    roll_conv_state(conv_state, req, hist, raw, dim_first)
+    return y
+
+
+def roll_conv_state(
+    conv_state: Tensor, req: Requests, hist: Tensor, raw: Tensor, dim_first: bool
+) -> None:
+    """Live requests' conv rows become ``hist[1], hist[2]`` (the last two history tokens),
+    then the raw tokens ``t < qlen`` (``hist`` [B, 3, C], ``raw`` [B, Q, C])."""
     rolled = torch.cat([hist[:, 1:], raw], dim=1)  # [B, Q + 2, C]
-    row = torch.arange(window + 2, device=raw.device)
+    row = torch.arange(rolled.shape[1], device=raw.device)
     write = req.live[:, None] & (row[None, :] < 2 + req.qlen[:, None])
     b_idx, r_idx = torch.nonzero(write, as_tuple=True)
     values = rolled[b_idx, r_idx].to(conv_state.dtype)
@@ -339,7 +347,6 @@ def _convolve_and_roll(
         conv_state[req.slot[b_idx], :, r_idx] = values
     else:
         conv_state[req.slot[b_idx], r_idx] = values
-    return y
 
 
 # --------------------------------------------------------------------------- verify

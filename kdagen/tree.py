@@ -31,6 +31,7 @@ from kdagen.reference import (
     gate,
     l2_normalise,
     request_layout,
+    roll_conv_state,
     solve_window,
 )
 from kdagen.serve.contract import CommitArgs, VerifyArgs, check_commit, check_verify, gate_of
@@ -274,14 +275,7 @@ def _convolve_tree(raw: Tensor, req: Requests, parents: Tensor, args: VerifyArgs
         conv_state[req.slot[:, None], :, rows] if dim_first else conv_state[req.slot[:, None], rows]
     )
     y = conv_window_outputs(_path_windows(raw, hist, parents).flatten(0, 1), args.conv_w)
-    rolled = torch.cat([hist[:, 1:], raw], dim=1)  # the chain's roll: raw tokens by position
-    row = torch.arange(window + 2, device=raw.device)
-    write = req.live[:, None] & (row[None, :] < 2 + req.qlen[:, None])
-    b_idx, r_idx = torch.nonzero(write, as_tuple=True)
-    if dim_first:
-        conv_state[req.slot[b_idx], :, r_idx] = rolled[b_idx, r_idx]
-    else:
-        conv_state[req.slot[b_idx], r_idx] = rolled[b_idx, r_idx]
+    roll_conv_state(conv_state, req, hist, raw, dim_first)  # the chain's roll, by position
     return y.view(*raw.shape[:2], -1)
 
 

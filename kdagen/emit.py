@@ -204,7 +204,7 @@ by kdagen {manifest["kdagen"]} on {manifest["emitted"]} from the dispatch table 
 
 {keys}
 
-The API (`import {manifest["package"]}`; first use registers the torch ops kdagen::verify,
+The API (`import {manifest["package"]}` registers the torch ops kdagen::verify,
 kdagen::commit and kdagen::commit_layers):
 
     verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg, ...)

@@ -77,6 +77,7 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
         import json, warnings
         import torch
         import kda_test_kernels as pkg
+        ops_at_import = hasattr(torch.ops.kdagen, "commit_layers")
         from kda_test_kernels import bundle, dispatch, kernel_source, runtime
         from kda_test_kernels.variant import Variant
 
@@ -112,6 +113,7 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
             "unheld": unheld,
             "bad_input": bad_input,
             "loaded": sorted({m.split(".")[0] for m in sys.modules}),
+            "ops_at_import": ops_at_import,
             "ops": [str(getattr(torch.ops.kdagen, n).default._schema).split("(")[0]
                     for n in ("verify", "commit", "commit_layers")],
         }
@@ -125,6 +127,7 @@ def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> N
     assert "is not in this package" in result["unheld"] and "verify-h12-q4-i32" in result["unheld"]
     assert result["bad_input"].startswith("kdagen.verify:"), result["bad_input"]
     assert not set(BLOCKED) & set(result["loaded"])
+    assert result["ops_at_import"]  # an emitted package registers its ops on import
     assert result["ops"] == ["kdagen::verify", "kdagen::commit", "kdagen::commit_layers"]
 
 

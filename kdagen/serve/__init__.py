@@ -13,13 +13,15 @@ Kernels come from ``kernel_source.current()``: in an emitted package its prebuil
 ``kernels/`` (``bundle``); in kdagen the build side, which compiles on first use
 (``kdagen.first_use``; ``kdagen.verify`` and the rest of kdagen's serving names turn it on).
 
-The API below loads on first access, with the torch ops (registered then): the build side
-imports the torch-free modules (``variant``, ``fingerprint``, ``resources``) without torch.
+In kdagen the API below loads on first access, with the torch ops (registered then): the
+build side imports the torch-free modules (``variant``, ``fingerprint``, ``resources``)
+without torch. An emitted package is imported to serve, so it registers the ops on import.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 _API = {
@@ -45,3 +47,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_API])
+
+
+if (Path(__file__).resolve().parent / "kernels" / "manifest.json").exists():  # emitted
+    importlib.import_module(".ops", __name__)

@@ -9,11 +9,18 @@
 
 PATH reads as in SQLAlchemy's sqlite URLs: relative after the three slashes, so an absolute
 path takes four (``journal:////shared/tune.log``).
+
+A tuned folder's own database (``<gpu>/studies.db``) is kept in the repository packed,
+``studies.db.xz`` (a few MiB of Optuna rows pack ~10x): ``folder_url`` unpacks it where it is
+newer than the working copy and holds other data, ``pack_folder`` writes it after a run.
 """
 
 from __future__ import annotations
 
+import filecmp
+import lzma
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +29,7 @@ import optuna
 
 from kdagen.studies import TuneError
 
+FOLDER_DB, PACKED_DB = "studies.db", "studies.db.xz"
 SQLITE_TIMEOUT_S = 60.0  # how long a write waits for another process's lock on the file
 OPEN_ATTEMPTS = 4  # processes that start together race to create a new storage's tables
 FORMS = "sqlite:///PATH, journal:///PATH or a database URL such as postgresql://user@host/db"
@@ -101,3 +109,30 @@ def _journal_backend(path: str) -> Any:
 def _line(err: BaseException | None) -> str:
     text = f"{type(err).__name__}: {err}" if err is not None else "unknown error"
     return text.strip().splitlines()[0][:300]
+
+
+def folder_url(folder: Path) -> str:
+    """The SQLite URL of a tuned folder's own database, first unpacked from ``studies.db.xz``
+    when that is the newer file and holds other data (a fresh checkout, a pulled re-tune); a
+    working copy written since (a killed run to resume) is left as it is."""
+    db, packed = folder / FOLDER_DB, folder / PACKED_DB
+    if packed.exists() and (not db.exists() or packed.stat().st_mtime > db.stat().st_mtime):
+        unpacked = folder / (FOLDER_DB + ".unpacked")
+        with lzma.open(packed) as src, open(unpacked, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        if db.exists() and filecmp.cmp(unpacked, db, shallow=False):
+            unpacked.unlink()
+        else:
+            unpacked.replace(db)
+    return f"sqlite:///{db}"
+
+
+def pack_folder(folder: Path) -> None:
+    """Write ``studies.db.xz`` from the folder's database: the copy the repository keeps."""
+    db = folder / FOLDER_DB
+    if not db.exists():
+        return
+    partial = folder / (PACKED_DB + ".partial")
+    with open(db, "rb") as src, lzma.open(partial, "wb", preset=9) as dst:
+        shutil.copyfileobj(src, dst)
+    partial.replace(folder / PACKED_DB)

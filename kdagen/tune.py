@@ -63,7 +63,7 @@ from kdagen.search import (
 from kdagen.serve.dispatch import generated_root
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads
-from kdagen.storage import describe, open_storage
+from kdagen.storage import describe, folder_url, open_storage, pack_folder
 from kdagen.studies import (
     Stamp,
     TuneError,
@@ -250,7 +250,7 @@ def _run(
     # a simulated run never lands in the committed generated/ by default (out/ is ignored)
     root = options.out or (Path("out") if device.get("simulated") else generated_root())
     folder = root / device["fingerprint"]
-    storage_url = options.storage or f"sqlite:///{folder / 'studies.db'}"
+    storage_url = options.storage or _folder_storage(folder)
     storage = storage or open_storage(storage_url)
     planned = {p.study_name(b): (p, b) for p in plans for b in p.batches}
     gpus = f"{len(slots)} GPU{'s' if len(slots) > 1 else ''} ({', '.join(s.label for s in slots)})"
@@ -294,7 +294,16 @@ def _run(
         results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
         report.write_all(folder, results, stamp.as_dict(), device, wall, _jsonable(options),
                          space_points(options.spaces, device["arch"]))  # fmt: skip
+        if not options.storage:
+            pack_folder(folder)
     return TuneResult(folder, results, notes, wall, bool(device.get("simulated")))
+
+
+def _folder_storage(folder: Path) -> str:
+    """The folder's own SQLite database (unpacked from the repository's copy where needed):
+    processes that share the folder unpack it in turn."""
+    with folder_lock(folder):
+        return folder_url(folder)
 
 
 def _say_restarts(stale: dict[str, str], echo: Callable[[str], None]) -> None:
@@ -396,7 +405,7 @@ def repick(folder: Path) -> TuneResult:
         ) from None
     device = table["device"] | {"fingerprint": table["fingerprint"]}
     with folder_lock(folder):
-        storage = open_storage(f"sqlite:///{folder / 'studies.db'}")
+        storage = open_storage(folder_url(folder))
         stamp = make_stamp(device["fingerprint"], list(PATHS))
         studies = fresh_studies(storage, stamp)
         stored = [s for s in storage.get_all_studies() if not is_claim(s.study_name)]
@@ -420,6 +429,7 @@ def repick(folder: Path) -> TuneResult:
         report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
                          {"repick": True, "spaces": list(spaces)},
                          space_points(spaces, device["arch"]))  # fmt: skip
+        pack_folder(folder)
     return TuneResult(folder, results, [], time.time() - started, bool(device.get("simulated")))
 
 

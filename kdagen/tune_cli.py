@@ -32,7 +32,7 @@ def tune(
         help="Optuna storage URL that tune processes on several GPUs or hosts share: "
         "sqlite:///PATH, journal:///PATH (a journal file: one host, or a shared file system) or "
         "a database URL such as postgresql://user@host/db [default: "
-        "sqlite:///<out>/<gpu>/studies.db]",
+        "sqlite:///<out>/<gpu>/studies.db, kept packed beside it as studies.db.xz]",
     ),
     devices: str = typer.Option(
         "all",

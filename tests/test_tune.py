@@ -5,6 +5,7 @@ kill, the finalists' pick, the outputs, search-efficiency replay and the CLI."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import optuna
@@ -31,7 +32,7 @@ from kdagen.search import (
 from kdagen.serve import dispatch
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
-from kdagen.storage import open_storage
+from kdagen.storage import FOLDER_DB, PACKED_DB, folder_url, open_storage, pack_folder
 from kdagen.studies import (
     Stamp,
     TuneError,
@@ -533,3 +534,37 @@ def test_tune_cli_simulated_run(tmp_path: Path, workloads: Path) -> None:
     assert (tmp_path / "simulated-h200-sm90-132sm" / "dispatch.json").exists()
     both = runner.invoke(app, ["tune", "--simulate", "--trials", "3", "--exhaustive"])
     assert both.exit_code != 0 and "not both" in both.output
+
+
+def test_the_folder_keeps_its_studies_packed_and_resumes_from_them(
+    tmp_path: Path, workloads: Path
+) -> None:
+    """The repository holds ``studies.db.xz``: a checkout without the working database
+    resumes from it (nothing measured again), and a run packs the database it wrote."""
+    opts = options(tmp_path, workloads, simulate={})
+    run(opts, lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    assert (folder / PACKED_DB).exists()
+
+    def trials() -> dict[str, list[tuple[int, object]]]:
+        return {name: [(t.number, t.datetime_start) for t in study.get_trials()]
+                for name, study in studies_of(folder).items()}  # fmt: skip
+
+    before = trials()
+    (folder / FOLDER_DB).unlink()  # a fresh checkout
+    run(opts, lambda s: None, fixed_default)
+    assert trials() == before
+
+
+def test_a_working_database_newer_than_the_packed_copy_is_kept(tmp_path: Path) -> None:
+    """A killed run's database is newer than the packed copy: resumed as it is. A packed copy
+    newer and different (a pulled re-tune) replaces it."""
+    db, packed = tmp_path / FOLDER_DB, tmp_path / PACKED_DB
+    db.write_bytes(b"packed run")
+    pack_folder(tmp_path)
+    db.write_bytes(b"killed run, written since")
+    assert folder_url(tmp_path) == f"sqlite:///{db}" and db.read_bytes().startswith(b"killed")
+    os.utime(packed, (db.stat().st_mtime + 10,) * 2)
+    folder_url(tmp_path)
+    assert db.read_bytes() == b"packed run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [FOLDER_DB, PACKED_DB]

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from gpu_marks import ANY_GPU
 
 from kdagen import reference
 from kdagen.cases import CHECK_CASES, make_commit_inputs, pool_of
@@ -14,10 +15,7 @@ from kdagen.serve.contract import CommitArgs, VerifyArgs
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = ANY_GPU
 
 SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 

@@ -10,14 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_marks import ANY_GPU
 
 from kdagen import reference
 from kdagen.serve.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = ANY_GPU
 
 SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 K = 128

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
+from gpu_marks import HOPPER
 
 from kdagen.serve import ops
 from kdagen.serve.model_commit import ModelCommit
 from kdagen.testing import make_verify_inputs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs a Hopper (sm_90) GPU",
-    ),
-]
+pytestmark = HOPPER
 
 SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 B, H, Q, LAYERS = 4, 2, 4, 3

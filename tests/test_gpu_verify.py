@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from gpu_marks import HOPPER
 
 from kdagen import reference
 from kdagen.check_verify import VerifyCase, check_verify, run_verify_case
@@ -22,13 +23,7 @@ from kdagen.testing import (
     verify_args,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs a Hopper (sm_90) GPU",
-    ),
-]
+pytestmark = HOPPER
 
 SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 H, Q = 12, 4

@@ -28,8 +28,10 @@ import torch
 from kdagen import first_use
 from kdagen.cases import POOL_PAD, CommitCase, make_commit_inputs
 from kdagen.emulate import relative_errors
+from kdagen.reference import gate
 from kdagen.serve.contract import CommitArgs
 from kdagen.serve.variant import Variant
+from kdagen.testing import lower_bound_for, poison_, verify_args, verify_inputs_for
 
 first_use.enable()  # the launches here compile their kernels on first use
 
@@ -120,20 +122,13 @@ def torch_commit(args: CommitArgs) -> None:
     Assumes no null slots and accepted > 0 (the benchmark case), so it needs no host sync."""
     state, corr, kg, slots, accepted = args.state, args.corr, args.kg, args.slots, args.accepted
     a_log, dt_bias = args.a_log, args.dt_bias
-    batch, heads, window = slots.shape[0], state.shape[1], corr.shape[2]
+    batch, window = slots.shape[0], corr.shape[2]
     idx = slots.long()
     rows = kg[:batch].float()
     live = torch.arange(window, device=state.device)[None, :] < accepted[:, None]  # [B, Q]
     live = live[:, None, :, None]
-    rate = torch.exp(a_log)[None, :, None, None]
-    x = rows[..., K:] + dt_bias.view(1, heads, 1, K)
-    bound = args.lower_bound
-    if bound is None:  # Kimi-Linear's softplus gate
-        log_gate = -rate * torch.nn.functional.softplus(x, threshold=20.0)
-    else:
-        log_gate = bound * torch.sigmoid(rate * x)
-    gate = torch.where(live, log_gate, 0.0)
-    log_decay = gate.cumsum(dim=2)
+    log_gate = gate(rows[..., K:].transpose(1, 2), a_log, dt_bias, args.lower_bound, torch.float32)
+    log_decay = torch.where(live, log_gate.transpose(1, 2), 0.0).cumsum(dim=2)
     last = log_decay[:, :, -1:, :]
     k = torch.where(live, rows[..., :K], 0.0)
     k_norm = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -146,8 +141,6 @@ def torch_commit(args: CommitArgs) -> None:
 def commit_sets(variant: Variant, batch: int, seed: int = 0) -> list[CommitArgs]:
     """The commit input sets of one measurement: enough to keep L2 cold."""
     heads, window = variant.heads, variant.window
-    from kdagen.testing import lower_bound_for
-
     case = CommitCase(f"bench-{batch}", batch, full_accept=True)
     return [
         make_commit_inputs(
@@ -277,8 +270,6 @@ def verify_inputs(
 ) -> dict[str, Any]:
     """One benchmark input set for a verify variant's contract: full windows, no padding
     requests, slots a permutation of 1..B, the anchors' 512-element slot padding."""
-    from kdagen.testing import verify_inputs_for
-
     return verify_inputs_for(variant, batch, pad=POOL_PAD, seed=seed, device=device,
                              ragged=False, nulls=False, extra_slots=0, extra_rows=0)  # fmt: skip
 
@@ -292,7 +283,6 @@ def verify_sets(variant: Variant, batch: int, seed: int = 0) -> list[dict[str, A
 def verify_launch(inputs: dict[str, Any], variant: Variant) -> Callable[[], None]:
     """kdagen's verify on one input set, as a no-argument launch."""
     from kdagen.serve.runtime import run_verify
-    from kdagen.testing import lower_bound_for, verify_args
 
     args = verify_args(inputs).with_(lower_bound=lower_bound_for(variant.gate))
     return lambda: run_verify(args, variant=variant)
@@ -304,8 +294,6 @@ def flashinfer_args(inputs: dict[str, Any]) -> tuple[Any, ...]:
     state pool and slots. Its outputs are its own, poisoned: out [1, T, H, 128] and, as
     FlashInfer (like vLLM) indexes them by state slot, corr [pool slots, H, Q, 128] fp32 and
     kg [pool slots, H, Q, 256] bf16 (the kernel requires exactly the pool's slot count)."""
-    from kdagen.testing import poison_
-
     qkv, state, out = inputs["qkv"], inputs["state"], inputs["out"]
     tokens, heads, window = qkv.shape[0], state.shape[1], inputs["corr"].shape[2]
     hk, dev = heads * K, qkv.device

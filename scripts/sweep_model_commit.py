@@ -3,10 +3,10 @@
 For each batch: the input sets of ``kdagen bench --layers`` (vLLM 0.33's layout), each
 variant of the shipped commit space for the key timed through ``ModelCommit`` with the conv
 state compacted (and the best without it), vLLM's Triton commit when ``.peers`` holds it.
-The four fastest per batch are printed with their share of the HBM floor.
+The fastest per batch (``--top``) are printed with their share of the HBM floor.
 
     python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
-                                         [--batches 1,16,64,256]
+                                         [--batches 1,16,64,256] [--top 4] [--match S]
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--top", type=int, default=4, help="rows printed per batch")
+    parser.add_argument("--match", default="", help="only variants whose name contains this")
     args = parser.parse_args()
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     key = f"commit-h{args.heads}-q{args.window}-i32"
-    candidates = [v for v in Space.load("commit.yaml").expand().variants if v.contract_key == key]
+    candidates = [v for v in Space.load("commit.yaml").expand().variants
+                  if v.contract_key == key and args.match in v.name]  # fmt: skip
     peer = vllm_commit().fn
     for batch in (int(b) for b in args.batches.split(",")):
         probe = bench_model.model_set(args.heads, args.window, args.layers, batch, 0, False)
@@ -64,7 +67,7 @@ def main() -> None:
         peer_text = "-" if peer_us is None else f"{peer_us:.2f}"
         print(f"B={batch} sets={count} floor={floor:.2f} (no conv {floor_plain:.2f}) "
               f"vllm={peer_text}")  # fmt: skip
-        for t, name in rows[:4]:
+        for t, name in rows[: args.top]:
             print(f"   {t.median_us:9.2f} us  {100 * floor / t.median_us:5.1f}% floor  "
                   f"spread {t.spread_pct:.1f}%  {name}")  # fmt: skip
         print(

@@ -146,3 +146,19 @@ def check_variant(variant: Variant, seed: int = 0) -> list:
 
         return check_verify(variant, seed)
     return check_commit(variant, seed)
+
+
+def shard_by_contract(variants: list[Variant], index: int, count: int) -> list[Variant]:
+    """Shard ``index`` of ``count``: whole contracts, the largest first to the lightest shard,
+    each shard ordered by contract (its tuning points share a case's inputs and reference)."""
+    groups: dict[str, list[Variant]] = {}
+    for v in variants:
+        groups.setdefault(v.contract_key, []).append(v)
+    loads = [0] * count
+    mine: list[Variant] = []
+    for key in sorted(groups, key=lambda k: (-len(groups[k]), k)):
+        lightest = loads.index(min(loads))
+        loads[lightest] += len(groups[key])
+        if lightest == index:
+            mine += groups[key]
+    return sorted(mine, key=lambda v: (v.contract_key, v.name))

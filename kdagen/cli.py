@@ -178,13 +178,13 @@ def check(
     json_out: Path = typer.Option(None, "--json", help="write every case result here"),
     shard: str = typer.Option(
         "0/1",
-        help="K/N: check every N-th variant from the K-th (run "
-        "N processes to overlap their host-side reference work)",
+        help="K/N: the K-th of N shards of whole contracts (run N processes to overlap "
+        "their host-side reference work)",
     ),
 ) -> None:
     """Run every variant on the GPU against the fp64 reference, edge cases included."""
     _require_gpu()
-    from kdagen.check import check_variant
+    from kdagen.check import check_variant, shard_by_contract
 
     seed = random.randrange(1 << 30) if seed is None else seed
     try:
@@ -192,7 +192,7 @@ def check(
         assert 0 <= index < count
     except (ValueError, AssertionError):
         raise typer.BadParameter(f"--shard must be K/N with 0 <= K < N, got {shard!r}") from None
-    arch, selected = _runnable(_filter(_variants(space), match)[index::count])
+    arch, selected = _runnable(shard_by_contract(_filter(_variants(space), match), index, count))
     typer.echo(f"checking {len(selected)} variants on {arch}, seed {seed}")
     results = []
     failed = set()

@@ -33,6 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kdagen.machine_code import machine_digest
 from kdagen.render import digest, render
 from kdagen.serve.variant import Variant
 
@@ -57,6 +58,7 @@ class CompileRecord:
     smem_bytes: int | None = None  # shared memory per CTA (static + what the kernel allocates)
     error: str | None = None
     cached: bool = False
+    machine: str | None = None  # kdagen.machine_code.machine_digest of the exported object
 
     @property
     def ok(self) -> bool:
@@ -136,7 +138,11 @@ def cached_record(variant: Variant, arch: str, root: Path | None = None) -> Comp
     path = record_path(variant, arch, root)
     if not path.exists():
         return None
-    return CompileRecord(**json.loads(path.read_text()) | {"cached": True})
+    record = CompileRecord(**json.loads(path.read_text()) | {"cached": True})
+    obj = object_path(variant, arch, root)
+    if record.ok and record.machine is None and obj.exists():  # a record of an older kdagen
+        record.machine = machine_digest(obj, record.digest)
+    return record
 
 
 def compile_variant(
@@ -158,6 +164,7 @@ def compile_variant(
         )
         _load_runtime_library()
         compiled.export_to_c(str(out_dir), "kernel", export_symbol(variant))
+        record.machine = machine_digest(object_path(variant, arch, root), record.digest)
     except Exception as err:  # a compile error is a result, reported with the others
         record = CompileRecord(
             variant.name, arch, digest(variant), "error", 0.0, error=_short_error(err)

@@ -179,7 +179,17 @@ class SimulatedCompiler:
                 variant.name, self.arch, "simulated", "error", 0.0,
                 error="error: simulated: shared memory 240 KiB exceeds 227 KiB per block",
             )  # fmt: skip
-        return CompileRecord(variant.name, self.arch, "simulated", "ok", 0.0, cached=True)
+        return CompileRecord(variant.name, self.arch, "simulated", "ok", 0.0, cached=True,
+                             machine=simulated_machine(variant))  # fmt: skip
 
     def close(self) -> None:
         pass
+
+
+def simulated_machine(variant: Variant) -> str:
+    """The simulated compiler's machine digest: its render without comments and blank lines
+    (a comment-only edit compiles to the same code, any other edit does not)."""
+    from kdagen.render import render
+
+    code = [line.split("#")[0].rstrip() for line in render(variant).splitlines()]
+    return hashlib.sha256("\n".join(line for line in code if line).encode()).hexdigest()[:16]

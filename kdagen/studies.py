@@ -3,9 +3,11 @@
 Each study records what its results depend on: the GPU fingerprint, the DSL version, its
 candidates (their names and a hash of them) and a hash of their rendered kernels
 (``kdagen.render.kernels_digest``; studies of older runs have only their kernel's template
-hash). A run resumes the studies whose kernels are unchanged and starts again those whose
-kernels or candidates changed: after a template edit only the affected studies are measured
-again, and no study mixes measurements of two kernels. A study measured on another GPU is
+hash) and of their compiled machine code (``kdagen.machine_code``). A run resumes the studies
+whose kernels are unchanged and starts again those whose kernels or candidates changed: after
+a template edit only the affected studies are measured again, and no study mixes measurements
+of two kernels. A study whose kernels render differently but compile to the machine code it
+measured (a refactor) is kept, re-stamped with the new renders. A study measured on another GPU is
 refused. Trials a killed run left RUNNING are marked FAIL on resume (TPE ignores FAIL
 trials), so their candidates are asked again and scored properly: a study is only touched by
 the process holding its claim (``kdagen.claims``), so its RUNNING trials are a dead run's.
@@ -17,7 +19,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,38 @@ def restart_stale(
     for name in stale:
         optuna.delete_study(study_name=name, storage=storage)
     return [f"{name}: {why}" for name, why in stale.items()]
+
+
+def keep_if_same_machine(
+    storage: optuna.storages.BaseStorage,
+    name: str,
+    space_hash: str,
+    stamp: Stamp,
+    machine_of: Callable[[list[str]], dict[str, str] | None],
+) -> bool:
+    """Keep study ``name`` when it is stale only because its kernels render differently (same
+    GPU, DSL and candidates) and ``machine_of`` (its candidates compiled now: name -> machine
+    digest, None if any did not compile) matches the machine code it recorded: re-stamped
+    with the new renders, its measurements stand. True when kept."""
+    from kdagen.machine_code import machine_hash
+    from kdagen.render import kernels_digest
+
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return False
+    attrs = storage.get_study_user_attrs(study_id)
+    names = attrs.get("candidate_names")
+    if (not attrs.get("machine_hash") or not names or attrs.get("space") != space_hash
+            or foreign(attrs, stamp) or attrs.get("dsl_version") != stamp.dsl_version
+            or staleness(attrs, stamp) is None):  # fmt: skip
+        return False
+    digests = machine_of(list(names))
+    if digests is None or machine_hash(digests) != attrs["machine_hash"]:
+        return False
+    storage.set_study_user_attr(study_id, "render_hash", kernels_digest(names))
+    storage.set_study_user_attr(study_id, "template_hash", stamp.template_hashes[attrs["kernel"]])
+    return True
 
 
 def fail_interrupted(storage: optuna.storages.BaseStorage, study: optuna.Study) -> int:

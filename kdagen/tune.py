@@ -40,6 +40,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from kdagen.claims import STALE_S, Claim, Claims, is_claim
 from kdagen.compile import CompilePool
 from kdagen.evaluate import CandidateEvaluator, Compiler, Ledger, Progress
 from kdagen.finals import PICK_RULE, pick_again, run_finals
+from kdagen.machine_code import machine_hash
 from kdagen.schedule import Schedule, Slot
 from kdagen.search import (
     Outcome,
@@ -71,6 +73,7 @@ from kdagen.studies import (
     fail_interrupted,
     folder_lock,
     fresh_studies,
+    keep_if_same_machine,
     make_stamp,
     restart_stale,
     stale_studies,
@@ -273,7 +276,13 @@ def _run(
 
     def run_one(slot: Slot, claim: Claim, label: str) -> None:
         plan, batch = planned[claim.study]
-        restart_stale(storage, {claim.study: plan.space_hash}, stamp)  # by its holder only
+        # by its holder only: kept where a refactor compiled to the same code, else restarted
+        if claim.study in stale and keep_if_same_machine(
+            storage, claim.study, plan.space_hash, stamp, partial(machine_code_of, compiler)
+        ):
+            echo(f"[{label}{claim.study}] kept: its kernels render differently but compile "
+                 "to the machine code it measured")  # fmt: skip
+        restart_stale(storage, {claim.study: plan.space_hash}, stamp)
         for study in fresh_studies(storage, stamp, plan.key):  # what other processes found
             ledger.add_study(study)
         ev = CandidateEvaluator(compiler, slot.worker, ledger, progress, options.timeout_s,
@@ -310,8 +319,9 @@ def _say_restarts(stale: dict[str, str], echo: Callable[[str], None]) -> None:
     if stale:
         n = len(stale)
         listed = "; ".join(f"{name}: {why}" for name, why in list(stale.items())[:3])
-        echo(f"starting again {n} stud{'y' if n == 1 else 'ies'} whose kernels or "
-             f"candidates changed: {listed}{f'; and {n - 3} more' if n > 3 else ''}")  # fmt: skip
+        echo(f"{n} stud{'y' if n == 1 else 'ies'} whose kernels or candidates changed, kept "
+             "where the kernels compile to the machine code measured, else started again: "
+             f"{listed}{f'; and {n - 3} more' if n > 3 else ''}")  # fmt: skip
 
 
 def _goal(checkout: str, plan: StudyPlan, options: TuneOptions) -> str:
@@ -375,6 +385,21 @@ def run_study(
     if measured or retime:  # a complete study run again (another process, a resume) took none
         wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started
         study.set_user_attr("wall_s", round(wall, 2))
+    digests = machine_code_of(ev.compiler, [v.name for v in plan.candidates])
+    if digests is not None and study.user_attrs.get("machine_hash") != machine_hash(digests):
+        study.set_user_attr("machine_hash", machine_hash(digests))
+
+
+def machine_code_of(compiler: Compiler, names: list[str]) -> dict[str, str] | None:
+    """Each candidate's machine digest (compiled now, or from the compile cache); None when
+    one does not compile or has none (a simulated compiler)."""
+    variants = [Variant.parse(n) for n in names]
+    for v in variants:
+        compiler.submit(v)
+    records = {v.name: compiler.result(v) for v in variants}
+    if not all(r.ok and r.machine for r in records.values()):
+        return None
+    return {name: r.machine for name, r in records.items() if r.machine}
 
 
 def _stamp_study(study: optuna.Study, plan: StudyPlan, batch: int, stamp: Stamp) -> None:

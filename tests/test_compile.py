@@ -12,6 +12,7 @@ import pytest
 
 from kdagen import compile as kcompile
 from kdagen import first_use
+from kdagen import render as krender
 from kdagen.cubin import kernel_resources
 from kdagen.sass import disassemble, find_nvdisasm
 from kdagen.serve.variant import Variant
@@ -101,6 +102,35 @@ def test_a_failing_compile_is_a_result_not_a_crash(tmp_path: Path, monkeypatch) 
     records = kcompile.compile_many(variants, ["sm_90a"], jobs=1, root=tmp_path / "cache")
     assert [r.status for r in records] == ["error", "error"]
     assert all("no_such_op" in (r.error or "") for r in records)
+
+
+def test_the_machine_digest_sees_code_not_renders(tmp_path: Path, monkeypatch) -> None:
+    """A comment changes the render (its digest, its symbol names) but not the machine code;
+    a changed constant that the kernel uses changes both (what lets the tuner keep a
+    refactored kernel's study)."""
+    source = Path(kcompile.__file__).parent.parent / "templates"
+    variant = Variant(kernel="commit", heads=2, window=1, threads=128, vec=8)
+    records = []
+    edits = [("", ""), ("K = 128", "# a reworded comment\nK = 128"),
+             ("PIECES = min(4, CHUNKS)", "PIECES = min(2, CHUNKS)")]  # fmt: skip
+    for n, (old, new) in enumerate(edits):
+        templates = tmp_path / f"templates{n}"
+        shutil.copytree(source, templates)
+        path = templates / "commit" / "bulk.py.j2"
+        assert old in path.read_text()
+        path.write_text(path.read_text().replace(old, new, 1))
+        monkeypatch.setenv("KDAGEN_TEMPLATES", str(templates))  # the compiling process's
+        monkeypatch.setattr(krender, "TEMPLATE_DIR", templates)  # this one's (the digest)
+        krender.environment.cache_clear()
+        krender.render.cache_clear()
+        [record] = kcompile.compile_many([variant], ["sm_90a"], jobs=1, root=tmp_path / "cache")
+        records.append(record)
+    krender.environment.cache_clear()
+    krender.render.cache_clear()
+    plain, reworded, changed = records
+    assert all(r.ok and r.machine for r in records)
+    assert plain.digest != reworded.digest and plain.machine == reworded.machine
+    assert changed.machine != plain.machine
 
 
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")

@@ -441,8 +441,8 @@ def test_a_template_edit_measures_again_only_the_studies_it_changes(
     before = trials()
     assert set(before) == {"commit-h12-q1-i32/b1", "commit-h12-q2-i32/b1"}
     original = krender.render
-    monkeypatch.setattr(  # an edit that renders the Q = 2 kernels differently, and only them
-        krender, "render", lambda v: original(v) + ("# edited\n" if v.window == 2 else "")
+    monkeypatch.setattr(  # an edit that changes the Q = 2 kernels' code, and only theirs
+        krender, "render", lambda v: original(v) + ("EDITED = 1\n" if v.window == 2 else "")
     )
     said: list[str] = []
     run(opts, said.append, fixed_default)
@@ -452,13 +452,41 @@ def test_a_template_edit_measures_again_only_the_studies_it_changes(
     assert min(t for _, t in after["commit-h12-q2-i32/b1"]) > max(
         t for _, t in before["commit-h12-q2-i32/b1"]
     )  # measured again from scratch
-    assert any("starting again 1 study whose kernels or candidates changed: "
-               "commit-h12-q2-i32/b1: its kernels render differently" in s for s in said)  # fmt: skip
+    assert any("1 study whose kernels or candidates changed, kept where the kernels compile "
+               "to the machine code measured, else started again: commit-h12-q2-i32/b1: its "
+               "kernels render differently" in s for s in said)  # fmt: skip
+    assert not any("kept:" in s for s in said)
     table = dispatch.load_table(folder)
     assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
                            krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
     space = table.space["commit"]  # the whole space the lookup stays in, not only what ran
     assert {v.name for v in candidates()} == set(space[KEY]) and len(space) == (3 + 4) * 4 * 2
+
+
+def test_a_refactor_that_compiles_to_the_same_code_keeps_its_studies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1, 8]}\n")
+    opts = options(tmp_path, path, simulate={}, match="i32", trials=3)
+    run(opts, lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    before = {name: [(t.number, t.value) for t in study.get_trials()]
+              for name, study in studies_of(folder).items()}  # fmt: skip
+    assert all(s.user_attrs["machine_hash"] for s in studies_of(folder).values())
+    original = krender.render
+    # the simulated compiler drops comments: a comment-only edit compiles to the same code
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "# reworded\n")
+    said: list[str] = []
+    run(opts, said.append, fixed_default)
+    after = {name: [(t.number, t.value) for t in study.get_trials()]
+             for name, study in studies_of(folder).items()}  # fmt: skip
+    assert after == before  # nothing measured again
+    assert sum("kept: its kernels render differently but compile to the machine code it "
+               "measured" in s for s in said) == 2  # fmt: skip
+    table = dispatch.load_table(folder)  # re-stamped: fresh for the new renders
+    assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
+                           krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
 
 
 def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -> None:

@@ -1,0 +1,54 @@
+"""Stamp the machine code of a tuned folder's fresh studies (no GPU: compile only).
+
+Studies tuned before kdagen recorded machine code (``kdagen.machine_code``) carry no
+``machine_hash``; a later template refactor would then measure them all again. This compiles
+each fresh study's candidates as this checkout renders them (the renders the studies were
+measured on: fresh means unchanged) and records the hash, then packs the folder's database.
+
+    python scripts/stamp_machine_code.py generated/nvidia-h200-sm90-132sm [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kdagen.compile import CompilePool
+from kdagen.machine_code import machine_hash
+from kdagen.serve.variant import PATHS, Variant
+from kdagen.storage import folder_url, open_storage, pack_folder
+from kdagen.studies import folder_lock, fresh_studies, make_stamp
+from kdagen.tune import machine_code_of
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    table = json.loads((args.folder / "dispatch.json").read_text())
+    arch = table["device"]["arch"]
+    with folder_lock(args.folder):
+        storage = open_storage(folder_url(args.folder))
+        stamp = make_stamp(table["fingerprint"], list(PATHS))
+        studies = [s for s in fresh_studies(storage, stamp) if "machine_hash" not in s.user_attrs]
+        print(f"{len(studies)} fresh studies without machine code; compiling their candidates")
+        stamped = 0
+        with CompilePool(arch, args.jobs) as pool:
+            for names in {tuple(s.user_attrs["candidate_names"]) for s in studies}:
+                for name in names:
+                    pool.submit(Variant.parse(name))
+            for study in studies:
+                digests = machine_code_of(pool, list(study.user_attrs["candidate_names"]))
+                if digests is None:
+                    print(f"{study.study_name}: a candidate did not compile; left unstamped")
+                    continue
+                study.set_user_attr("machine_hash", machine_hash(digests))
+                stamped += 1
+        pack_folder(args.folder)
+    print(f"stamped {stamped} of {len(studies)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -40,6 +40,8 @@ CHECK_CASES = (
     CommitCase("pad-slot-1", 9, null_fraction=0.3, null_slot=-1),
     CommitCase("full-window", 70, full_accept=True),
     CommitCase("outside-pool", 12, outside=True),
+    # a null slot below -1: slot -3 (outside) lies between it and 0, and must pad too
+    CommitCase("null-below-pool", 12, null_fraction=0.25, null_slot=-4, outside=True),
 )
 # The softplus gate's extra cases: log decays far beyond the bounded gate's (-1000 and less
 # over a window), and every token forgetting everything before it.

@@ -61,10 +61,12 @@ class CaseResult:
 def touched_mask(args: CommitArgs) -> torch.Tensor:
     """[slots] bool: slots the contract lets commit write (live request: a slot inside the
     pool above the null slot, accepted > 0)."""
-    state, slot = args.state, args.slots.long()
-    live = (slot > args.null_slot) & (slot < state.shape[0]) & (args.accepted > 0)
+    state = args.state
+    plan = reference.commit_plan(args.slots, args.accepted, null_slot=args.null_slot,
+                                 slot_count=state.shape[0], window=args.corr.shape[2],
+                                 rows=args.corr.shape[0])  # fmt: skip
     mask = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
-    mask[slot[live]] = True
+    mask[plan.final[plan.live]] = True
     return mask
 
 

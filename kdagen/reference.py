@@ -442,7 +442,7 @@ class CommitPlan:
     ``source[b]`` and store it to slot ``final[b]``, when ``live[b]``; with prefix caching,
     also store the state after ``boundary_count[b]`` tokens to slot ``boundary[b]`` when
     ``boundary_live[b]`` (first, so the final state wins should the two slots coincide).
-    A slot outside ``(null_slot, slot_count)`` is a padding request's.
+    A slot outside ``(max(null_slot, -1), slot_count)`` is a padding request's.
     """
 
     source: Tensor  # int64
@@ -479,7 +479,7 @@ def commit_plan(
     request; nothing is read there."""
     batch, device = slots.shape[0], slots.device
     source = slots.long()
-    in_pool = (source > null_slot) & (source < slot_count)
+    in_pool = (source > max(null_slot, -1)) & (source < slot_count)  # every negative slot pads
     record = source if records_by_slot else torch.arange(batch, device=device)
     source_ok = in_pool & (record < rows)
     owner = torch.arange(batch, device=device) if request_index is None else request_index.long()

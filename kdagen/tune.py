@@ -421,13 +421,7 @@ def repick(folder: Path) -> TuneResult:
     nothing compiled or timed. Refused where a study does not match the kernels this checkout
     renders (or the folder's GPU): those need ``kdagen tune`` on that GPU."""
     started = time.time()
-    try:
-        table = json.loads((folder / "dispatch.json").read_text())
-        last_run = json.loads((folder / "runs.json").read_text())[-1]["options"]
-    except (OSError, ValueError, IndexError, KeyError) as err:
-        raise TuneError(
-            f"{folder} is not a tuned folder (dispatch.json, runs.json): {err}"
-        ) from None
+    table, last_run = _tuned_folder(folder)
     device = table["device"] | {"fingerprint": table["fingerprint"]}
     with folder_lock(folder):
         storage = open_storage(folder_url(folder))
@@ -456,6 +450,62 @@ def repick(folder: Path) -> TuneResult:
                          space_points(spaces, device["arch"]))  # fmt: skip
         pack_folder(folder)
     return TuneResult(folder, results, [], time.time() - started, bool(device.get("simulated")))
+
+
+def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
+            compiler: Compiler | None = None) -> TuneResult:  # fmt: skip
+    """Carry a tuned folder through a refactor without a GPU: compile the candidates of every
+    study whose kernels render differently, re-stamp those whose machine code is what they
+    measured (``keep_if_same_machine``), and rewrite the table from them; nothing is timed.
+    Refused, the table left as it was, when a study's code changed (or its candidates, or it
+    recorded none): that study needs ``kdagen tune`` on its GPU."""
+    started = time.time()
+    table, last_run = _tuned_folder(folder)
+    device = table["device"] | {"fingerprint": table["fingerprint"]}
+    spaces = tuple(last_run.get("spaces") or DEFAULT_SPACES)
+    plans, _ = plan_studies(spaces, last_run.get("workloads") or "workloads.yaml", device["arch"])
+    planned = {p.study_name(b): p for p in plans for b in p.batches}
+    with folder_lock(folder):
+        storage = open_storage(folder_url(folder))
+        stamp = make_stamp(device["fingerprint"], list(PATHS))
+        stale = stale_studies(storage, {n: p.space_hash for n, p in planned.items()}, stamp)
+        echo(f"{len(stale)} of {len(planned)} studies render differently; compiling them")
+        pool = compiler or CompilePool(device["arch"], jobs)
+        try:
+            for name in stale:
+                for candidate in planned[name].candidates:
+                    pool.submit(candidate)
+            changed = [name for name in stale if not keep_if_same_machine(
+                storage, name, planned[name].space_hash, stamp, partial(machine_code_of, pool)
+            )]  # fmt: skip
+        finally:
+            pool.close()
+        if changed:
+            listed = "; ".join(f"{n}: {stale[n]}" for n in changed[:3])
+            raise TuneError(
+                f"{len(changed)} stud{'y' if len(changed) == 1 else 'ies'} changed machine code "
+                f"or candidates ({listed}{'; ...' if len(changed) > 3 else ''}): run kdagen tune "
+                "on the GPU"
+            )
+        results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
+        report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
+                         {"restamp": True, "spaces": list(spaces)},
+                         space_points(spaces, device["arch"]))  # fmt: skip
+        pack_folder(folder)
+    return TuneResult(folder, results, [f"re-stamped {len(stale)} studies"],
+                      time.time() - started, bool(device.get("simulated")))  # fmt: skip
+
+
+def _tuned_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A tuned folder's table and its last run's options."""
+    try:
+        table = json.loads((folder / "dispatch.json").read_text())
+        last_run = json.loads((folder / "runs.json").read_text())[-1]["options"]
+    except (OSError, ValueError, IndexError, KeyError) as err:
+        raise TuneError(
+            f"{folder} is not a tuned folder (dispatch.json, runs.json): {err}"
+        ) from None
+    return table, last_run
 
 
 def _picked_again(study: optuna.Study) -> dict[str, Any] | None:

@@ -59,6 +59,12 @@ def tune(
         help="a tuned folder (generated/<gpu>): pick its stored finals again under the current "
         "rule and rewrite its outputs; no GPU, nothing re-timed",
     ),
+    restamp: Path = typer.Option(
+        None,
+        help="a tuned folder (generated/<gpu>): after a refactor, keep the studies whose "
+        "kernels compile to the machine code they measured and rewrite its outputs; no GPU, "
+        "compiles only, refused if any kernel's code changed",
+    ),
     simulate: bool = typer.Option(
         False,
         hidden=True,
@@ -76,6 +82,9 @@ def tune(
         raise typer.BadParameter("give --trials N or --exhaustive, not both")
     if repick is not None:
         _repick(repick)
+        return
+    if restamp is not None:
+        _restamp(restamp, jobs)
         return
     from kdagen.tune import run
 
@@ -180,6 +189,17 @@ def _repick(folder: Path) -> None:
         typer.echo(f"{result.folder}: {'; '.join(result.notes)}")
         return
     typer.echo(f"picked again and rewrote {result.folder} (nothing re-timed)")
+
+
+def _restamp(folder: Path, jobs: int) -> None:
+    from kdagen.tune import TuneError, restamp
+
+    try:
+        result = restamp(folder, jobs, echo=lambda line: typer.echo(line, err=True))
+    except TuneError as err:
+        typer.echo(f"kdagen tune: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{result.folder}: {'; '.join(result.notes)} (same machine code; nothing timed)")
 
 
 def _require_gpu() -> None:

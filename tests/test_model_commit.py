@@ -131,6 +131,15 @@ def test_commit_layers_equals_the_recurrence_per_layer(
         assert torch.equal(pools.states[layer][untouched], before[layer][untouched])
 
 
+def test_every_negative_slot_is_padding_whatever_the_null_slot() -> None:
+    """With a null slot below -1, the slots between it and 0 are no pool slots either: the
+    plan pads them (never state[-1], the pool's last slot by Python's indexing)."""
+    slots = torch.tensor([-1, -2, -3, 2, 4], dtype=torch.int32)
+    accepted = torch.full((5,), 2, dtype=torch.int32)
+    plan = reference.commit_plan(slots, accepted, null_slot=-3, slot_count=4, window=4, rows=5)
+    assert plan.live.tolist() == [False, False, False, True, False]
+
+
 def vllm_plan(
     slots: list[int],
     accepted: list[int],

@@ -31,6 +31,7 @@ from kdagen.search import (
 )
 from kdagen.serve import dispatch
 from kdagen.serve.variant import Variant
+from kdagen.simulate import SimulatedCompiler
 from kdagen.space import Space
 from kdagen.storage import FOLDER_DB, PACKED_DB, folder_url, open_storage, pack_folder
 from kdagen.studies import (
@@ -40,7 +41,7 @@ from kdagen.studies import (
     fresh_studies,
     restart_stale,
 )
-from kdagen.tune import TuneOptions, plan_studies, run
+from kdagen.tune import TuneOptions, plan_studies, restamp, run
 from kdagen.worker import Worker, WorkerFailure, describe_check
 
 KEY = "commit-h12-q1-i32"
@@ -485,6 +486,39 @@ def test_a_refactor_that_compiles_to_the_same_code_keeps_its_studies(
     assert sum("kept: its kernels render differently but compile to the machine code it "
                "measured" in s for s in said) == 2  # fmt: skip
     table = dispatch.load_table(folder)  # re-stamped: fresh for the new renders
+    assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
+                           krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
+
+
+def test_restamp_carries_a_refactor_without_a_gpu_and_refuses_a_code_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n")
+    run(options(tmp_path, path, simulate={}, match="i32", trials=3), lambda s: None,
+        fixed_default)  # fmt: skip
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    runs = json.loads((folder / "runs.json").read_text())
+    runs[-1]["options"]["workloads"] = str(path)
+    (folder / "runs.json").write_text(json.dumps(runs))
+    original = krender.render
+    compiler = SimulatedCompiler("sm_90a", {})
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
+    with pytest.raises(TuneError, match="1 study changed machine code or candidates"):
+        restamp(folder, compiler=compiler, echo=lambda s: None)
+    assert (
+        dispatch.load_table(folder).staleness(  # refused: the table says stale still
+            "commit",
+            krender.dsl_version(),
+            krender.template_digest("commit"),
+            krender.kernels_digest(dispatch.load_table(folder).measured["commit"]),
+        )
+        is not None
+    )
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "# reworded\n")
+    result = restamp(folder, compiler=SimulatedCompiler("sm_90a", {}), echo=lambda s: None)
+    assert result.notes == ["re-stamped 1 studies"]
+    table = dispatch.load_table(folder)
     assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
                            krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
 

@@ -145,6 +145,9 @@ def launch_commit(variant: Variant, **values: Any) -> None:
 
     state = values["state"]
     values = _COMMIT_DEFAULTS | values
+    # Every negative slot pads: the kernel's in-pool test is slot > null_slot, so a null slot
+    # below -1 would let -1 through; -1 there rejects the same requests the caller meant.
+    values["null_slot"] = max(int(values["null_slot"]), -1)
     for name in _COMMIT_TENSORS:
         if values.get(name) is None:
             values[name] = state

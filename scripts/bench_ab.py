@@ -1,0 +1,56 @@
+"""Time the same kdagen bench in two checkouts, alternating processes (GPU).
+
+For a refactor or a kernel change: ``kdagen bench ARGS`` runs in tree A, then tree B, for
+``--rounds`` rounds, each in its own process on the same GPU; per row (batch, variant) the
+median of the rounds' medians of A and B, B / A, and whether the difference lies within the
+rows' spread (p10..p90 of the replays). JSON of every run under ``--out``.
+
+    python scripts/bench_ab.py OLD_TREE NEW_TREE --rounds 3 --out DIR -- --heads 12 --window 8 \\
+        --batches 1,64,512 --match t128-r1-c396-s1 --no-peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_bench(tree: Path, args: list[str], out: Path) -> list[dict]:
+    env = os.environ | {"PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "kdagen.cli", "bench", *args, "--out", str(out)]
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["rows"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then kdagen bench options")
+    opts = parser.parse_args()
+    bench = [a for a in opts.bench if a != "--"]
+    opts.out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[list[dict]]] = {"a": [], "b": []}
+    for n in range(opts.rounds):
+        for side, tree in (("a", opts.a), ("b", opts.b)):
+            runs[side].append(run_bench(tree.resolve(), bench, opts.out / f"{side}{n}.json"))
+    print(f"{'batch':>6} {'A us':>9} {'B us':>9} {'B/A':>6} {'spread %':>8}  within  variant")
+    for i, row in enumerate(runs["a"][0]):
+        a = statistics.median(r[i]["median_us"] for r in runs["a"])
+        b = statistics.median(r[i]["median_us"] for r in runs["b"])
+        spread = max(100 * (r[i]["p90_us"] - r[i]["p10_us"]) / r[i]["median_us"]
+                     for side in runs.values() for r in side)  # fmt: skip
+        within = abs(b / a - 1) * 100 <= spread
+        print(f"{row['batch']:>6} {a:9.2f} {b:9.2f} {b / a:6.3f} {spread:8.1f}  "
+              f"{'yes' if within else 'NO':>6}  {row['variant']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -58,7 +58,7 @@ class CompileRecord:
     smem_bytes: int | None = None  # shared memory per CTA (static + what the kernel allocates)
     error: str | None = None
     cached: bool = False
-    machine: str | None = None  # kdagen.machine_code.machine_digest of the exported object
+    machine: str | None = None  # kdagen.machine_code.machine_digest (not stored: recomputed)
 
     @property
     def ok(self) -> bool:
@@ -139,9 +139,7 @@ def cached_record(variant: Variant, arch: str, root: Path | None = None) -> Comp
     if not path.exists():
         return None
     record = CompileRecord(**json.loads(path.read_text()) | {"cached": True})
-    obj = object_path(variant, arch, root)
-    if record.ok and record.machine is None and obj.exists():  # a record of an older kdagen
-        record.machine = machine_digest(obj, record.digest)
+    _add_machine(record, path.parent)
     return record
 
 
@@ -164,7 +162,6 @@ def compile_variant(
         )
         _load_runtime_library()
         compiled.export_to_c(str(out_dir), "kernel", export_symbol(variant))
-        record.machine = machine_digest(object_path(variant, arch, root), record.digest)
     except Exception as err:  # a compile error is a result, reported with the others
         record = CompileRecord(
             variant.name, arch, digest(variant), "error", 0.0, error=_short_error(err)
@@ -172,9 +169,19 @@ def compile_variant(
     record.seconds = round(time.perf_counter() - started, 2)
     _write_whole(
         record_path(variant, arch, root),
-        json.dumps(dataclasses.asdict(record) | {"cached": False}, indent=1),
+        json.dumps(dataclasses.asdict(record) | {"cached": False, "machine": None}, indent=1),
     )
+    _add_machine(record, out_dir)
     return record
+
+
+def _add_machine(record: CompileRecord, out_dir: Path) -> None:
+    """The record's machine digest, from its cubin (computed, never read from the record, so
+    the digest may change what it covers)."""
+    cubin = out_dir / "kernel.cubin"
+    record.machine = None
+    if record.ok and cubin.exists():
+        record.machine = machine_digest(cubin, record.smem_bytes or 0)
 
 
 class CompileError(RuntimeError):

@@ -22,7 +22,7 @@ class KernelResources:
     static_smem_bytes: int
 
 
-def _sections(blob: bytes) -> dict[str, tuple[int, int]]:
+def sections(blob: bytes) -> dict[str, tuple[int, int]]:
     """ELF64 section name -> (file offset, size)."""
     if blob[:4] != b"\x7fELF" or blob[4] != 2:
         raise ValueError("not an ELF64 cubin")
@@ -54,9 +54,9 @@ def _attributes(blob: bytes, offset: int, size: int) -> list[tuple[int, bytes]]:
 
 def kernel_resources(blob: bytes) -> KernelResources:
     """The largest figures over the cubin's kernels (our modules hold one kernel)."""
-    sections = _sections(blob)
+    found = sections(blob)
     registers = frame = 0
-    info = sections.get(".nv.info")
+    info = found.get(".nv.info")
     if info:
         for attr, payload in _attributes(blob, *info):
             if len(payload) == 8:
@@ -66,7 +66,7 @@ def kernel_resources(blob: bytes) -> KernelResources:
                 elif attr == _EIATTR_FRAME_SIZE:
                     frame = max(frame, value)
     smem = max(
-        (size for name, (_, size) in sections.items() if name.startswith(".nv.shared.")),
+        (size for name, (_, size) in found.items() if name.startswith(".nv.shared.")),
         default=0,
     )
     return KernelResources(registers=registers, frame_bytes=frame, static_smem_bytes=smem)

@@ -1,9 +1,10 @@
 """Stamp the machine code of a tuned folder's fresh studies (no GPU: compile only).
 
-Studies tuned before kdagen recorded machine code (``kdagen.machine_code``) carry no
-``machine_hash``; a later template refactor would then measure them all again. This compiles
-each fresh study's candidates as this checkout renders them (the renders the studies were
-measured on: fresh means unchanged) and records the hash, then packs the folder's database.
+Studies tuned before kdagen recorded machine code (``kdagen.machine_code``), or under an
+older digest, carry no or another ``machine_hash``; a later template refactor would then
+measure them all again. This compiles each fresh study's candidates as this checkout renders
+them (the renders the studies were measured on: fresh means unchanged) and records the hash,
+then packs the folder's database.
 
     python scripts/stamp_machine_code.py generated/nvidia-h200-sm90-132sm [--jobs 2]
 """
@@ -32,8 +33,8 @@ def main() -> None:
     with folder_lock(args.folder):
         storage = open_storage(folder_url(args.folder))
         stamp = make_stamp(table["fingerprint"], list(PATHS))
-        studies = [s for s in fresh_studies(storage, stamp) if "machine_hash" not in s.user_attrs]
-        print(f"{len(studies)} fresh studies without machine code; compiling their candidates")
+        studies = fresh_studies(storage, stamp)
+        print(f"{len(studies)} fresh studies; compiling their candidates")
         stamped = 0
         with CompilePool(arch, args.jobs) as pool:
             for names in {tuple(s.user_attrs["candidate_names"]) for s in studies}:

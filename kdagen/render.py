@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jinja2
 
+from kdagen.serve.abi import params
 from kdagen.serve.fingerprint import dsl_version
 from kdagen.serve.resources import data_dir
 from kdagen.serve.variant import Variant
@@ -91,6 +92,10 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "bound": options.bound,
     }
     if variant.kernel == "verify":
+        context["params"] = params(variant)  # the host call's signature
+        context["split"] = variant.row_split
+        context["stages"] = variant.stages
+        context["pdl"] = variant.pdl
         context["conv"] = variant.conv
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"

@@ -77,9 +77,8 @@ def test_verify_renders_only_its_conv_settings() -> None:
             conv_weight_dtype="fp32",
         )  # fmt: skip
     )
-    assert "conv_state" not in off and "load_words" not in off
-    assert "conv_state[slot, channel, first + i]" in dim_first
-    assert "conv_state[slot, first + i, channel]" not in dim_first
-    assert "taps32" in dim_first and "load_words" not in dim_first
+    assert "conv_state" not in off and "conv_silu" not in off
+    assert "dim_first=True" in dim_first and "dim_first=False" not in dim_first
+    assert "taps = cute.make_rmem_tensor((3, 4), Float32)" in dim_first
     for source in (off, dim_first):
         assert "self.conv" not in source  # no trace-time switches on the variant

@@ -119,13 +119,16 @@ def test_rendered_source_has_only_its_variant() -> None:
     split = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r2-c528-s2-pdl"))
     assert "SPLIT = 2" in split and "use_stage" in split and "conv_state" not in split
     conv = render(Variant.parse("verify-h12-q4-conv-df-fp32-i32-sm90_wgmma-t128-r1-c396-s1-pdl"))
-    assert "conv_state[slot, channel, first + i]" in conv and "load_words" not in conv
+    assert "dim_first=True" in conv and "taps = cute.make_rmem_tensor((3, 4), Float32)" in conv
     assert "THREADS = 128" in plain and "OWN" not in plain and "barrier_id" not in plain
     two = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t256-r1-c264-s1-pdl"))
     assert "THREADS = 256" in two and "OWN = 4" in two and "partial" not in two
     assert "if t < Q:" not in two  # the guarded last slot is only for odd windows
     odd = render(Variant.parse("verify-h12-q7-i32-sm90_wgmma-t256-r1-c264-s1-pdl"))
     assert "if t < Q:" in odd
+    # One kernel each: the one-warpgroup kernel has no two-warpgroup code and vice versa.
+    assert "wg ==" not in plain and "wg = " not in plain
+    assert "tensors[" not in plain + two + conv  # tensors are named, not indexed
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,19 +111,37 @@ def render(variant: Variant, options: RenderOptions = RenderOptions()) -> str:
     return template.render(**_context(variant, options))
 
 
+DSL_DIR = Path(__file__).resolve().parent / "dsl"
+_DSL_IMPORT = re.compile(r"^from kdagen\.dsl\.(\w+) import", re.MULTILINE)
+
+
 @functools.cache
 def helpers_source() -> bytes:
-    """The device helpers rendered kernels import (kdagen/dsl): part of every digest."""
-    root = Path(__file__).resolve().parent / "dsl"
-    return b"".join(path.read_bytes() for path in sorted(root.glob("*.py")))
+    """Every device helper module (kdagen/dsl): part of each template digest."""
+    return b"".join(path.read_bytes() for path in sorted(DSL_DIR.glob("*.py")))
+
+
+@functools.cache
+def helper_modules(source: str) -> tuple[str, ...]:
+    """The kdagen/dsl modules ``source`` imports, directly or through each other."""
+    found: set[str] = set()
+    todo = _DSL_IMPORT.findall(source)
+    while todo:
+        module = todo.pop()
+        if module not in found:
+            found.add(module)
+            todo += _DSL_IMPORT.findall((DSL_DIR / f"{module}.py").read_text())
+    return tuple(sorted(found))
 
 
 def digest(variant: Variant) -> str:
-    """Content hash: the rendered source, the device helpers it imports and the DSL version
-    that compiles it."""
+    """Content hash: the rendered source, the device helper modules it imports (so an edit
+    of another kernel's helpers leaves it alone) and the DSL version that compiles it."""
     h = hashlib.sha256()
-    h.update(render(variant).encode())
-    h.update(b"\0helpers\0" + helpers_source())
+    source = render(variant)
+    h.update(source.encode())
+    for module in helper_modules(source):
+        h.update(f"\0helpers {module}\0".encode() + (DSL_DIR / f"{module}.py").read_bytes())
     h.update(b"\0nvidia-cutlass-dsl=" + dsl_version().encode())
     return h.hexdigest()[:16]
 

@@ -65,6 +65,26 @@ def test_template_digest_changes_with_the_templates(tmp_path, monkeypatch) -> No
     assert template_digest("commit") != before
 
 
+def test_a_kernel_digest_follows_only_the_helper_modules_it_imports(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from kdagen import render as render_module
+
+    commit = Variant(kernel="commit", heads=12, window=8)
+    verify = Variant(kernel="verify", heads=12, window=8)
+    before = {v.kernel: render_module.digest(v) for v in (commit, verify)}
+    dsl = tmp_path / "dsl"
+    shutil.copytree(render_module.DSL_DIR, dsl)
+    monkeypatch.setattr(render_module, "DSL_DIR", dsl)
+    render_module.helper_modules.cache_clear()
+    (dsl / "verify.py").write_text((dsl / "verify.py").read_text() + "\n# edited\n")
+    assert render_module.digest(commit) == before["commit"]  # commit imports common only
+    assert render_module.digest(verify) != before["verify"]
+    (dsl / "common.py").write_text((dsl / "common.py").read_text() + "\n# edited\n")
+    assert render_module.digest(commit) != before["commit"]
+    render_module.helper_modules.cache_clear()
+
+
 def test_verify_renders_only_its_conv_settings() -> None:
     off = render(Variant(kernel="verify", heads=12, window=8))
     dim_first = render(

@@ -3,7 +3,8 @@
 For a refactor or a kernel change: ``kdagen bench ARGS`` runs in tree A, then tree B, for
 ``--rounds`` rounds, each in its own process on the same GPU; per row (batch, variant) the
 median of the rounds' medians of A and B, B / A, and whether the difference lies within the
-rows' spread (p10..p90 of the replays). JSON of every run under ``--out``.
+rows' spread (p10..p90 of the replays). JSON of every run under ``--out``;
+``--summarize DIR`` prints a finished comparison's table again.
 
     python scripts/bench_ab.py OLD_TREE NEW_TREE --rounds 3 --out DIR -- --heads 12 --window 8 \\
         --batches 1,64,512 --match t128-r1-c396-s1 --no-peers
@@ -20,11 +21,12 @@ import sys
 from pathlib import Path
 
 
-def run_bench(tree: Path, args: list[str], out: Path) -> list[dict]:
-    env = os.environ | {"PYTHONPATH": str(tree)}
+def run_bench(tree: Path, args: list[str], out: Path) -> None:
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
+    }
     cmd = [sys.executable, "-m", "kdagen.cli", "bench", *args, "--out", str(out)]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())["rows"]
 
 
 def main() -> None:
@@ -33,14 +35,20 @@ def main() -> None:
     parser.add_argument("b", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then kdagen bench options")
-    opts = parser.parse_args()
-    bench = [a for a in opts.bench if a != "--"]
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)  # then kdagen bench's options
+    opts, bench = parser.parse_args(argv[:split]), argv[split + 1 :]
     opts.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[list[dict]]] = {"a": [], "b": []}
     for n in range(opts.rounds):
         for side, tree in (("a", opts.a), ("b", opts.b)):
-            runs[side].append(run_bench(tree.resolve(), bench, opts.out / f"{side}{n}.json"))
+            run_bench(tree.resolve(), bench, opts.out / f"{side}{n}.json")
+    summarize(opts.out)
+
+
+def summarize(out: Path) -> None:
+    """The table of a finished comparison from its JSON files (``a0.json``, ``b0.json``...)."""
+    runs = {side: [json.loads(p.read_text())["rows"] for p in sorted(out.glob(f"{side}*.json"))]
+            for side in ("a", "b")}  # fmt: skip
     print(f"{'batch':>6} {'A us':>9} {'B us':>9} {'B/A':>6} {'spread %':>8}  within  variant")
     for i, row in enumerate(runs["a"][0]):
         a = statistics.median(r[i]["median_us"] for r in runs["a"])
@@ -53,4 +61,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--summarize"]:  # a finished comparison's folder
+        summarize(Path(sys.argv[2]))
+    else:
+        main()

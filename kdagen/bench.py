@@ -53,6 +53,15 @@ class Timing:
         return 100.0 * (self.p90_us - self.p10_us) / self.median_us
 
 
+def _timing_columns(t: Timing, floor: float) -> tuple[float, float, float, int, float, float]:
+    """A bench row's ``median_us, p10_us, p90_us, sets, floor_us, pct_of_floor``: one rounding
+    for the commit and verify rows, so their CSV columns read alike."""
+    return (
+        round(t.median_us, 3), round(t.p10_us, 3), round(t.p90_us, 3), t.sets, round(floor, 3),
+        round(100 * floor / t.median_us, 1),
+    )  # fmt: skip
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
@@ -188,7 +197,7 @@ def bench_commit(
     heads, window = variants[0].heads, variants[0].window
     for batch in batches:
         sets = commit_sets(variants[0], batch, seed)
-        floor_us = commit_bytes(batch, heads, window) / bandwidth * 1e6
+        floor = floor_us(variants[0], batch, bandwidth)
         torch_us = None
         if with_torch:
             torch_us = time_graph([lambda s=s: torch_commit(s) for s in sets]).median_us
@@ -196,9 +205,7 @@ def bench_commit(
             t = time_graph([lambda s=s, v=v: run_commit(s, variant=v) for s in sets])
             rows.append(
                 CommitBenchRow(
-                    heads, window, batch, v.name, round(t.median_us, 3), round(t.p10_us, 3),
-                    round(t.p90_us, 3), t.sets, round(floor_us, 3),
-                    round(100 * floor_us / t.median_us, 1),
+                    heads, window, batch, v.name, *_timing_columns(t, floor),
                     None if torch_us is None else round(torch_us, 3),
                 )
             )  # fmt: skip
@@ -373,9 +380,8 @@ def bench_verify(
                 distance = max(peer_distance(sets[0], peer_args[0]).values())
             rows.append(
                 VerifyBenchRow(
-                    first.heads, first.window, first.conv, batch, v.name, round(t.median_us, 3),
-                    round(t.p10_us, 3), round(t.p90_us, 3), t.sets, round(floor, 3),
-                    round(100 * floor / t.median_us, 1),
+                    first.heads, first.window, first.conv, batch, v.name,
+                    *_timing_columns(t, floor),
                     None if peer_t is None else round(peer_t.median_us, 3),
                     None if peer_t is None else round(peer_t.spread_pct, 1),
                     None if distance is None else float(f"{distance:.3g}"),

@@ -8,7 +8,7 @@ powers of 2 (a range of at most 2^12) or of 10 (wider).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -129,25 +129,32 @@ def _frame(title: str, xlabel: str, ylabel: str) -> str:
 
 
 def _axis_ticks(xr: tuple[float, float], yr: tuple[float, float]) -> list[str]:
-    out = []
     bottom, right = HEIGHT - BOTTOM, WIDTH - RIGHT
-    for v in ticks_for(10 ** xr[0], 10 ** xr[1]):
-        x = _x(v, xr)
-        if LEFT - 0.5 <= x <= right + 0.5:
-            out.append(
-                f'<line class="xtick" x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{bottom}" '
-                'stroke="#dddddd"/>'
-                f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_label(v)}</text>'
-            )
-    for v in ticks_for(10 ** yr[0], 10 ** yr[1]):
-        y = _y(v, yr)
-        if TOP - 0.5 <= y <= bottom + 0.5:
-            out.append(
-                f'<line class="ytick" x1="{LEFT}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" '
-                'stroke="#dddddd"/>'
-                f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_label(v)}</text>'
-            )
-    return out
+    xs = [
+        f'<line class="xtick" x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{bottom}" '
+        'stroke="#dddddd"/>'
+        f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_label(v)}</text>'
+        for v, x in _ticks_inside(xr, _x, LEFT, right)
+    ]
+    ys = [
+        f'<line class="ytick" x1="{LEFT}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" '
+        'stroke="#dddddd"/>'
+        f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_label(v)}</text>'
+        for v, y in _ticks_inside(yr, _y, TOP, bottom)
+    ]
+    return xs + ys
+
+
+def _ticks_inside(
+    log_range: tuple[float, float],
+    place: Callable[[float, tuple[float, float]], float],
+    lo: float,
+    hi: float,
+) -> list[Point]:
+    """(value, pixel) of an axis' ticks that fall within the frame's pixels ``lo..hi``, with
+    half a pixel's slack so that a tick on the frame's edge survives rounding."""
+    placed = ((v, place(v, log_range)) for v in ticks_for(10 ** log_range[0], 10 ** log_range[1]))
+    return [(v, p) for v, p in placed if lo - 0.5 <= p <= hi + 0.5]
 
 
 def _line(

@@ -64,14 +64,23 @@ def check_parents(op: str, name: str, parents: Tensor, qlen: Tensor, rows: Tenso
     mine = parents.long()[rows] if parents.numel() else torch.full_like(rows, -1)
     here = pos[None, :] < qlen[:, None]
     ok = torch.where(pos == 0, mine == -1, (mine >= 0) & (mine < pos))
-    bad = here & ~ok
-    if bad.any():
-        b, t = (int(i) for i in torch.nonzero(bad)[0])
+    if (first := _first_failure(here, ok)) is not None:
+        b, t = first
         raise KdaInputError(
             f"{op}: `{name}` must hold -1 at a window's first token and an earlier position "
             f"(parents before children) elsewhere; request {b} position {t} has {int(mine[b, t])}"
         )
     return torch.where(here, mine, -1)
+
+
+def _first_failure(used: Tensor, ok: Tensor) -> tuple[int, int] | None:
+    """(request, position) of the first entry of ``[B, Q]`` that is used but not ok, or None:
+    the one offending entry a check's message names (one host sync when every entry passes)."""
+    bad = used & ~ok
+    if not bad.any():
+        return None
+    b, t = (int(i) for i in torch.nonzero(bad)[0])
+    return b, t
 
 
 def ancestor_table(parents: Tensor) -> Tensor:
@@ -135,9 +144,8 @@ def check_path(op: str, path: Tensor, count: Tensor, live: Tensor, window: int) 
     used = live[:, None] & (pos[None, :] < count[:, None])
     prev = torch.cat([torch.full_like(steps[:, :1], -1), steps[:, :-1]], dim=1)
     ok = torch.where(pos == 0, steps == 0, (steps > prev) & (steps < window))
-    bad = used & ~ok
-    if bad.any():
-        b, j = (int(i) for i in torch.nonzero(bad)[0])
+    if (first := _first_failure(used, ok)) is not None:
+        b, j = first
         raise KdaInputError(
             f"{op}: `path` must start at the root (0) and list increasing positions below "
             f"{window} (root first); request {b} entry {j} is {int(steps[b, j])}"

@@ -23,6 +23,8 @@ rounding points).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -185,6 +187,22 @@ def softplus_gate_floor(window: int) -> float:
     return 64.0 / ((window - 1) // 2 + 1)
 
 
+def _gates(
+    g_raw: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float | None, floor: float
+) -> Tensor:
+    """Each token's log decay ``gate_t`` (fp32, ``[B, H, Q, K]`` from bf16 ``g_raw``), as the
+    kernel computes it; ``lower_bound`` None: the softplus gate held at ``-floor`` (the bounded
+    gate ignores ``floor``). Shared by the chain and the tree emulation, which cumulate it."""
+    heads = a_log.shape[0]
+    rate = torch.exp(a_log.float())[:, None, None]  # [H, 1, 1]
+    bias = dt_bias.float().view(heads, 1, K)
+    if lower_bound is None:
+        x = g_raw.float() + bias
+        soft = torch.nn.functional.softplus(x, beta=1.0, threshold=20.0)
+        return torch.maximum(-rate * soft, _f32(-floor, g_raw))
+    return _f32(lower_bound, g_raw) * _sigmoid(rate * (g_raw.float() + bias))
+
+
 def _log_decay(
     g_raw: Tensor, a_log: Tensor, dt_bias: Tensor, lower_bound: float | None
 ) -> tuple[Tensor, Tensor]:
@@ -194,16 +212,8 @@ def _log_decay(
 
     Not ``torch.cumsum``: on CPU it accumulates fp32 in double.
     """
-    heads = a_log.shape[0]
-    rate = torch.exp(a_log.float())[:, None, None]  # [H, 1, 1]
-    bias = dt_bias.float().view(heads, 1, K)
-    if lower_bound is None:
-        x = g_raw.float() + bias
-        soft = torch.nn.functional.softplus(x, beta=1.0, threshold=20.0)
-        floor = _f32(-softplus_gate_floor(g_raw.shape[-2]), g_raw)
-        gates = torch.maximum(-rate * soft, floor)
-    else:
-        gates = _f32(lower_bound, g_raw) * _sigmoid(rate * (g_raw.float() + bias))
+    floor = softplus_gate_floor(g_raw.shape[-2])
+    gates = _gates(g_raw, a_log, dt_bias, lower_bound, floor)
     cum = torch.zeros_like(gates[..., 0, :])
     logs = []
     for t in range(gates.shape[-2]):
@@ -221,18 +231,26 @@ def _normalise(x: Tensor, scale: float | None = None) -> Tensor:
     return y if scale is None else y * _f32(scale, x)
 
 
-def _couplings(w: Tensor, p: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+def _couplings(
+    w: Tensor, p: Tensor, r: Tensor, ancestors: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``c[..., t, i] = w_i . p_t`` (i < t) and ``d[..., t, i] = w_i . r_t`` (i <= t), fp32.
 
     Each channel's product is rounded to fp32, then summed over channels with the kernel's tree;
-    entries outside the triangles are zeroed (the kernel never computes them).
+    entries outside the triangles are zeroed (the kernel never computes them). ``ancestors``
+    (bool ``[..., Q, Q]``, ``[t, i]``: i is t or an ancestor of t) narrows both to a token
+    tree's root paths: a select, not a product, so a non-ancestor pair's overflow (its factors
+    are not bounded by the rebase) is dropped, never turned into NaN.
     """
     window = w.shape[-2]
     pos = torch.arange(window, device=w.device)
     below = pos[:, None] > pos[None, :]
+    keep_d = below | (pos[:, None] == pos[None, :])
+    if ancestors is not None:
+        below, keep_d = below & ancestors, keep_d & ancestors
     c = _warp_sum(w[..., None, :, :] * p[..., :, None, :])
     d = _warp_sum(w[..., None, :, :] * r[..., :, None, :])
-    return torch.where(below, c, 0.0), torch.where(below | (pos[:, None] == pos[None, :]), d, 0.0)
+    return torch.where(below, c, 0.0), torch.where(keep_d, d, 0.0)
 
 
 def _solve(v: Tensor, beta: Tensor, proj: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
@@ -294,7 +312,7 @@ def verify_like_sm100(args: VerifyArgs) -> None:
     qkv, state, slots, corr = args.qkv, args.state, args.slots, args.corr
     a_log, lower_bound = args.a_log, args.lower_bound
     conv = (args.conv_state, args.conv_w, args.accepted)
-    heads, window, batch = a_log.shape[0], corr.shape[2], slots.shape[0]
+    window, batch = corr.shape[2], slots.shape[0]
     if state.dtype != BF16:  # the tensor cores read the pool as it is
         raise ValueError(f"state: expected bf16 (the kernel's pool dtype), got {state.dtype}")
     req = request_layout(args.query_start, slots, args.null_slot, window, qkv.shape[0])
@@ -305,25 +323,51 @@ def verify_like_sm100(args: VerifyArgs) -> None:
         check_live_slots("slots", req.slot, req.live, conv[0].shape[0], unique=True)
     mixed = _activations(qkv, req, None if conv[0] is None else conv, args.conv_dim_first)
 
+    tok = _window_tokens(args, req, mixed)
+    logs, decay = _log_decay(tok.g_raw, a_log, args.dt_bias, lower_bound)
+    p, r = decay * tok.k_n, decay * tok.q_n
+    proj = _project(state[req.slot], torch.cat([p, r], dim=-2))
+    if lower_bound is None:  # the coupling's factors relative to token MID
+        mid = logs[..., (window - 1) // 2, None, :]
+        near = torch.exp(logs - mid)
+        c, d = _couplings(torch.exp(mid - logs) * tok.k_n, near * tok.k_n, near * tok.q_n)
+    else:
+        c, d = _couplings(torch.exp(-logs) * tok.k_n, p, r)
+    u, o = _solve(tok.v, tok.beta, proj, c, d)
+    _store(req, u, o, tok.record, args.out, corr, args.kg)
+
+
+@dataclass(frozen=True)
+class WindowTokens:
+    """A window's per-token kernel inputs, heads first: ``q_n, k_n, v [B, H, Q, K]`` fp32
+    (normalised, zero past ``qlen``), ``beta [B, H, Q]`` fp32 (zero past ``qlen``), ``g_raw``
+    ``[B, H, Q, K]`` bf16 and the bf16 ``kg`` record ``[B, Q, H, 2K]``."""
+
+    q_n: Tensor
+    k_n: Tensor
+    v: Tensor
+    beta: Tensor
+    g_raw: Tensor
+    record: Tensor
+
+
+def _window_tokens(args: VerifyArgs, req: Requests, mixed: Tensor) -> WindowTokens:
+    """Everything per token that the chain and the tree kernels compute alike (from the
+    post-conv ``mixed [B, Q, 3HK]``): the closed form starts from these."""
+    heads = args.a_log.shape[0]
+
     def heads_first(x: Tensor) -> Tensor:  # [B, Q, H*K] -> [B, H, Q, K]
         return x.unflatten(-1, (heads, K)).transpose(1, 2)
 
     here = req.tokens[:, None, :, None]  # [B, 1, Q, 1]
     q, k, v = (heads_first(x) for x in mixed.chunk(3, dim=-1))
     g_raw = heads_first(args.raw_g[req.rows])
-    logs, decay = _log_decay(g_raw, a_log, args.dt_bias, lower_bound)
-    q_n = _normalise(torch.where(here, q, 0.0), scale=K**-0.5)
-    k_n = _normalise(torch.where(here, k, 0.0))
     beta = _sigmoid(args.raw_beta[req.rows].float()).transpose(1, 2)  # [B, H, Q]
-    beta = torch.where(req.tokens[:, None, :], beta, 0.0)
-    p, r = decay * k_n, decay * q_n
-    proj = _project(state[req.slot], torch.cat([p, r], dim=-2))
-    if lower_bound is None:  # the coupling's factors relative to token MID
-        mid = logs[..., (window - 1) // 2, None, :]
-        near = torch.exp(logs - mid)
-        c, d = _couplings(torch.exp(mid - logs) * k_n, near * k_n, near * q_n)
-    else:
-        c, d = _couplings(torch.exp(-logs) * k_n, p, r)
-    u, o = _solve(v.float(), beta, proj, c, d)
-    record = torch.cat([k, g_raw], dim=-1).transpose(1, 2)  # [B, Q, H, 2K], bf16
-    _store(req, u, o, record, args.out, corr, args.kg)
+    return WindowTokens(
+        q_n=_normalise(torch.where(here, q, 0.0), scale=K**-0.5),
+        k_n=_normalise(torch.where(here, k, 0.0)),
+        v=v.float(),
+        beta=torch.where(req.tokens[:, None, :], beta, 0.0),
+        g_raw=g_raw,
+        record=torch.cat([k, g_raw], dim=-1).transpose(1, 2),  # [B, Q, H, 2K], bf16
+    )

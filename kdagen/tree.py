@@ -48,6 +48,7 @@ __all__ = [
     "commit_path_layers",
     "check_parents",
     "check_path",
+    "check_tree_verify",
     "verify_tree",
 ]
 
@@ -177,10 +178,10 @@ def _check_records(op: str, corr: object, kg: object) -> tuple[int, Tensor, Tens
     )
 
 
-def _check_tree_verify(args: VerifyArgs, parents: Tensor) -> None:
+def check_tree_verify(args: VerifyArgs, parents: Tensor, op: str = VERIFY_TREE_OP) -> None:
     """The run-time's verify checks with the window lifted to 16: the records, conv state and
-    gate at the real window here, the rest by ``check_verify`` on window-1 stand-ins."""
-    op = VERIFY_TREE_OP
+    gate at the real window here, the rest by ``check_verify`` on window-1 stand-ins (shared
+    with the tree emulation, whose ``op`` the messages name)."""
     window, corr, kg = _check_records(op, args.corr, args.kg)
     stand_in = args.with_(corr=corr, kg=kg, lower_bound=None,
                           conv_state=_conv_stand_in(args, window))  # fmt: skip
@@ -219,7 +220,7 @@ def verify_tree(
     the chain does (rows 0, 1 = history rows 1, 2; row 2 + t = raw token t), reading the
     history at ``accepted[b] - 1`` (1 after a tree commit, which compacts it to rows 0..2).
     ``parents [T]`` int32: see the module docstring."""
-    _check_tree_verify(args, parents)
+    check_tree_verify(args, parents)
     qkv, state, conv_state = args.qkv, args.state, args.conv_state
     heads, window, batch = args.a_log.shape[0], args.corr.shape[2], args.slots.shape[0]
     req = request_layout(args.query_start, args.slots, args.null_slot, window, qkv.shape[0])

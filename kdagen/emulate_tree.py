@@ -1,0 +1,169 @@
+"""Tree verify (issue 31) computed the way a tensor-core kernel would, on CPU.
+
+``kdagen.tree.verify_tree`` states *what* tree verify computes (fp64); this module computes it
+with the sm100 chain kernel's arithmetic (``kdagen.emulate``: fp32, bf16 hi/lo probes, warp
+reduction trees, the seed's forward solve) and only what a kernel can add to it:
+
+- an ancestor bitmask per node (``bits[t] = bits[parent(t)] | 1 << t``, 16 bits for Q <= 16),
+  the parent's entry found by a select over earlier positions, never an indexed load;
+- each node's log decay ``G_t = G_parent(t) + gate_t``, by the same select;
+- the coupling matrices masked to ancestor pairs (``c``: strict ancestors, ``d``: ancestors or
+  self) by a select, so the forward solve and the output sums are the chain's, with zeros;
+- the coupling factors ``exp(M - G_i) k_i`` and ``exp(G_t - M) k_t`` taken relative to one
+  per-channel reference ``M`` clamped into ``[max G - R, min G + R]`` (``R = REBASE_RANGE``),
+  so every factor lies within ``exp(+-R)`` whatever the tree's shape.
+
+A chain (``parents[t] = t - 1``) gives exactly ``emulate.verify_like_sm100``'s bits for Q <= 8:
+the selects reproduce the cumulative sum, the masks the causal triangles, and the clamp leaves
+the chain's reference (0 for the bounded gate, ``G_MID`` for softplus) where it is.
+The fused convolution is not emulated in tree mode (refused).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kdagen.emulate import (
+    BF16,
+    _activations,
+    _couplings,
+    _f32,
+    _gates,
+    _project,
+    _solve,
+    _store,
+    _window_tokens,
+    softplus_gate_floor,
+)
+from kdagen.reference import check_live_slots, request_layout
+from kdagen.serve.contract import VerifyArgs
+from kdagen.serve.validate import KdaInputError
+from kdagen.tree import check_parents, check_tree_verify
+
+__all__ = [
+    "REBASE_RANGE",
+    "window_parents",
+    "ancestor_bits",
+    "ancestor_matrix",
+    "rebase_reference",
+    "tree_log_decay",
+    "tree_softplus_floor",
+    "verify_tree_like_sm100",
+]
+
+OP = "kdagen.emulate_tree.verify_tree_like_sm100"
+
+# Every coupling factor stays within exp(+-R): exp(80) = 5.5e34 leaves fp32 headroom for the
+# k products, and exp(-80) k (k >= 1e-2) is still a normal number. A window whose log decays
+# span at most 2R per channel always has a valid reference: the softplus floor keeps the span
+# <= 128 for any tree (each node's depth < Q), the bounded gate needs Q |lower_bound| <= 2R.
+REBASE_RANGE = 80.0
+
+
+def tree_softplus_floor(window: int) -> float:
+    """The softplus gate's floor per token in tree mode: the chain kernels' for Q <= 8 (so a
+    chain keeps their bits), else ``2R / Q``, the weakest floor that keeps any tree's log decays
+    (a node's depth is < Q) within the ``2R`` span the rebase holds: 10 at Q = 16, where the
+    chain's ``softplus_gate_floor`` (8) would drop weights up to exp(-8) = 3.4e-4."""
+    if window <= 8:
+        return softplus_gate_floor(window)
+    return 2 * REBASE_RANGE / window
+
+
+def window_parents(parents: Tensor, tokens: Tensor) -> Tensor:
+    """``[B, Q]`` int64 parents with positions past ``qlen`` continuing a chain from the last
+    node (``t - 1``): they are nobody's ancestor, and a ragged chain then cumulates its padding
+    gates exactly as the chain kernel does (its softplus reference may be a padding token)."""
+    pos = torch.arange(parents.shape[-1], device=parents.device)
+    return torch.where(tokens, parents, pos - 1)
+
+
+def _select_earlier(parent: Tensor, earlier: list[Tensor], fill: Tensor) -> Tensor:
+    """``earlier[parent]`` (``fill`` for -1) as a kernel unrolls it: one select per earlier
+    position. ``parent`` broadcasts against each entry (``[B]`` viewed to the entry's rank)."""
+    picked = fill
+    for s, value in enumerate(earlier):
+        picked = torch.where(parent == s, value, picked)
+    return picked
+
+
+def ancestor_bits(parents: Tensor) -> Tensor:
+    """``[B, Q]`` int32: bit i of entry t set where i is t or an ancestor of t."""
+    batch, window = parents.shape
+    zero = torch.zeros(batch, dtype=torch.int32, device=parents.device)
+    rows: list[Tensor] = []
+    for t in range(window):
+        rows.append(_select_earlier(parents[:, t], rows, zero) | (1 << t))
+    return torch.stack(rows, dim=1)
+
+
+def ancestor_matrix(bits: Tensor) -> Tensor:
+    """``[B, Q, Q]`` bool from :func:`ancestor_bits`: ``[t, i] = bit i of bits[t]``."""
+    pos = torch.arange(bits.shape[-1], device=bits.device, dtype=torch.int32)
+    return ((bits[..., :, None] >> pos) & 1).bool()
+
+
+def tree_log_decay(gates: Tensor, parents: Tensor) -> Tensor:
+    """``G_t = G_parent(t) + gate_t`` (fp32, ``gates [B, H, Q, K]``, ``parents [B, Q]``), the
+    parent's G selected among earlier positions; a root adds its gate to 0, as the chain's
+    cumulation starts."""
+    zero = torch.zeros_like(gates[..., 0, :])
+    logs: list[Tensor] = []
+    for t in range(gates.shape[-2]):
+        parent = parents[:, t].view(-1, 1, 1)
+        logs.append(_select_earlier(parent, logs, zero) + gates[..., t, :])
+    return torch.stack(logs, dim=-2)
+
+
+def rebase_reference(logs: Tensor, lower_bound: float | None) -> Tensor:
+    """The coupling factors' per-channel reference ``M [B, H, 1, K]``: the chain kernel's
+    (0, or ``G`` of position MID for softplus) clamped into ``[max_t G - R, min_t G + R]``,
+    which keeps ``exp(G_t - M)`` and ``exp(M - G_i)`` within ``exp(+-R)`` for every node."""
+    window = logs.shape[-2]
+    if lower_bound is None:
+        ref = logs[..., (window - 1) // 2, None, :]
+    else:
+        ref = torch.zeros_like(logs[..., :1, :])
+    rng = _f32(REBASE_RANGE, logs)
+    low = logs.amax(dim=-2, keepdim=True) - rng
+    high = logs.amin(dim=-2, keepdim=True) + rng
+    return torch.minimum(torch.maximum(ref, low), high)
+
+
+def verify_tree_like_sm100(
+    args: VerifyArgs, parents: Tensor, *, softplus_floor: float | None = None
+) -> None:
+    """``kdagen.tree.verify_tree``'s contract and in-place writes (no conv), computed like a
+    tree kernel built on the sm100 chain kernel (see the module docstring); windows up to 16.
+    ``softplus_floor`` overrides ``tree_softplus_floor(Q)`` (a study knob, not a contract)."""
+    check_tree_verify(args, parents, op=OP)
+    if args.conv_state is not None:
+        raise KdaInputError(f"{OP}: the fused convolution is not emulated in tree mode")
+    state, lower_bound, window = args.state, args.lower_bound, args.corr.shape[2]
+    if state.dtype != BF16:  # the tensor cores read the pool as it is
+        raise KdaInputError(f"{OP}: `state` must be bf16 (the kernel's pool), got {state.dtype}")
+    if lower_bound is not None and window * lower_bound < -2 * REBASE_RANGE:
+        raise KdaInputError(
+            f"{OP}: `lower_bound` x Q must be >= -{2 * REBASE_RANGE:g} (the log decays' span "
+            f"the rebased couplings hold in fp32), got {lower_bound:g} x {window}"
+        )
+    batch = args.slots.shape[0]
+    req = request_layout(args.query_start, args.slots, args.null_slot, window, args.qkv.shape[0])
+    if batch == 0 or not req.tokens.any():
+        return
+    tree = window_parents(check_parents(OP, "parents", parents, req.qlen, req.rows), req.tokens)
+    check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
+
+    tok = _window_tokens(args, req, _activations(args.qkv, req, None, False))
+    floor = tree_softplus_floor(window) if softplus_floor is None else softplus_floor
+    gates = _gates(tok.g_raw, args.a_log, args.dt_bias, lower_bound, floor)
+    logs = tree_log_decay(gates, tree)
+    decay = torch.exp(logs)
+    proj = _project(state[req.slot], torch.cat([decay * tok.k_n, decay * tok.q_n], dim=-2))
+    ref = rebase_reference(logs, lower_bound)
+    near = torch.exp(logs - ref)
+    ancestors = ancestor_matrix(ancestor_bits(tree))[:, None]  # [B, 1, Q, Q]
+    c, d = _couplings(torch.exp(ref - logs) * tok.k_n, near * tok.k_n, near * tok.q_n, ancestors)
+    u, o = _solve(tok.v, tok.beta, proj, c, d)
+    _store(req, u, o, tok.record, args.out, args.corr, args.kg)

@@ -19,6 +19,8 @@ Not bit-exact with the GPU, on purpose and unavoidably:
 So agreement with the GPU is to fp32 rounding, not bitwise. The bf16 ``kg`` record and the conv
 state are exact on both sides (they only move or round bf16 data through the contract's fixed
 rounding points).
+
+Token trees (issue 31) are ``kdagen.emulate_tree``, built on this module's stages.
 """
 
 from __future__ import annotations

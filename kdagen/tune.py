@@ -385,9 +385,18 @@ def run_study(
     if measured or retime:  # a complete study run again (another process, a resume) took none
         wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started
         study.set_user_attr("wall_s", round(wall, 2))
-    digests = machine_code_of(ev.compiler, [v.name for v in plan.candidates])
-    if digests is not None and study.user_attrs.get("machine_hash") != machine_hash(digests):
+    stamp_machine_code(study, ev.compiler, [v.name for v in plan.candidates])
+
+
+def stamp_machine_code(study: optuna.Study, compiler: Compiler, names: list[str]) -> bool:
+    """Record the machine hash of ``study``'s candidates ``names`` (what lets a later
+    refactor keep it); False when one has no machine digest (not compiled, simulated)."""
+    digests = machine_code_of(compiler, names)
+    if digests is None:
+        return False
+    if study.user_attrs.get("machine_hash") != machine_hash(digests):
         study.set_user_attr("machine_hash", machine_hash(digests))
+    return True
 
 
 def machine_code_of(compiler: Compiler, names: list[str]) -> dict[str, str] | None:
@@ -399,7 +408,7 @@ def machine_code_of(compiler: Compiler, names: list[str]) -> dict[str, str] | No
     records = {v.name: compiler.result(v) for v in variants}
     if not all(r.ok and r.machine for r in records.values()):
         return None
-    return {name: r.machine for name, r in records.items() if r.machine}
+    return {name: r.machine for name, r in records.items()}
 
 
 def _stamp_study(study: optuna.Study, plan: StudyPlan, batch: int, stamp: Stamp) -> None:

@@ -16,11 +16,10 @@ import json
 from pathlib import Path
 
 from kdagen.compile import CompilePool
-from kdagen.machine_code import machine_hash
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.storage import folder_url, open_storage, pack_folder
 from kdagen.studies import folder_lock, fresh_studies, make_stamp
-from kdagen.tune import machine_code_of
+from kdagen.tune import stamp_machine_code
 
 
 def main() -> None:
@@ -41,12 +40,10 @@ def main() -> None:
                 for name in names:
                     pool.submit(Variant.parse(name))
             for study in studies:
-                digests = machine_code_of(pool, list(study.user_attrs["candidate_names"]))
-                if digests is None:
+                if stamp_machine_code(study, pool, list(study.user_attrs["candidate_names"])):
+                    stamped += 1
+                else:
                     print(f"{study.study_name}: a candidate did not compile; left unstamped")
-                    continue
-                study.set_user_attr("machine_hash", machine_hash(digests))
-                stamped += 1
         pack_folder(args.folder)
     print(f"stamped {stamped} of {len(studies)}")
 

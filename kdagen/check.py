@@ -8,7 +8,10 @@ Rows of corr/kg that the contract says are unwritten hold NaN, so reading them s
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -164,3 +167,22 @@ def shard_by_contract(variants: list[Variant], index: int, count: int) -> list[V
         if lightest == index:
             mine += groups[key]
     return sorted(mine, key=lambda v: (v.contract_key, v.name))
+
+
+def result_records(variant: Variant, digest: str, cases: list) -> list[dict]:
+    """One JSON record per case: its fields, whether it passed and the digest of the kernel
+    that ran (``render.digest``), so a later check can tell what it need not run again."""
+    return [{**c.__dict__, "passed": c.passed, "digest": digest} for c in cases]
+
+
+def passed_before(paths: Iterable[Path]) -> set[tuple[str, str]]:
+    """(variant, digest) pairs whose every case passed in earlier ``kdagen check --json``
+    files: a resumed check skips them while they render to the same kernel. Files from a
+    check without digests resume nothing."""
+    verdicts: dict[tuple[str, str], bool] = {}
+    for path in paths:
+        for record in json.loads(Path(path).read_text()):
+            if "digest" in record:
+                key = (record["variant"], record["digest"])
+                verdicts[key] = verdicts.get(key, True) and bool(record["passed"])
+    return {key for key, ok in verdicts.items() if ok}

@@ -175,16 +175,24 @@ def check(
     space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
     match: str = typer.Option(None, help="only variants whose name contains this"),
     seed: int = typer.Option(None, help="input seed (default: random, printed)"),
-    json_out: Path = typer.Option(None, "--json", help="write every case result here"),
+    json_out: Path = typer.Option(
+        None, "--json", help="write every case result here (rewritten after each variant)"
+    ),
     shard: str = typer.Option(
         "0/1",
         help="K/N: the K-th of N shards of whole contracts (run N processes to overlap "
         "their host-side reference work)",
     ),
+    resume: list[Path] = typer.Option(
+        None,
+        help="--json files of earlier checks: skip the variants that passed there and still "
+        "render to the same kernel (a check cut short by a time limit goes on; a variant that failed in any of them runs again)",
+    ),
 ) -> None:
     """Run every variant on the GPU against the fp64 reference, edge cases included."""
     _require_gpu()
-    from kdagen.check import check_variant, shard_by_contract
+    from kdagen.check import check_variant, passed_before, result_records, shard_by_contract
+    from kdagen.render import digest
 
     seed = random.randrange(1 << 30) if seed is None else seed
     try:
@@ -193,12 +201,19 @@ def check(
     except (ValueError, AssertionError):
         raise typer.BadParameter(f"--shard must be K/N with 0 <= K < N, got {shard!r}") from None
     arch, selected = _runnable(shard_by_contract(_filter(_variants(space), match), index, count))
-    typer.echo(f"checking {len(selected)} variants on {arch}, seed {seed}")
-    results = []
+    digests = {v.name: digest(v) for v in selected}
+    done = passed_before(resume or [])
+    todo = [v for v in selected if (v.name, digests[v.name]) not in done]
+    if len(todo) < len(selected):
+        typer.echo(f"{len(selected) - len(todo)} variants passed before at this render: skipped")
+    typer.echo(f"checking {len(todo)} variants on {arch}, seed {seed}")
+    records: list[dict] = []
     failed = set()
-    for v in selected:
+    for v in todo:
         cases = check_variant(v, seed)
-        results += cases
+        records += result_records(v, digests[v.name], cases)
+        if json_out:  # after each variant: a killed check keeps what it ran
+            json_out.write_text(json.dumps(records, indent=1))
         worst = max(cases, key=lambda c: (not c.passed, c.score))
         ok = all(c.passed for c in cases)
         if not ok:
@@ -207,9 +222,9 @@ def check(
         typer.echo(
             f"{'PASS' if ok else 'FAIL'}  {v.name}  ({len(cases)} cases; worst {worst.case}: {detail})"
         )
-    if json_out:
-        json_out.write_text(json.dumps([c.__dict__ for c in results], indent=1))
-    typer.echo(f"{len(selected) - len(failed)} passed, {len(failed)} failed")
+    if json_out and not todo:
+        json_out.write_text("[]")
+    typer.echo(f"{len(todo) - len(failed)} passed, {len(failed)} failed")
     if failed:
         raise typer.Exit(1)
 

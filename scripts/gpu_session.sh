@@ -10,7 +10,8 @@
 # OUTDIR; a short summary is printed last.
 # Env: COMPILE_SPACES (default: every shipped space), COMPILE_MATCH (only variants whose name
 # contains it), PYTEST_FILES (default: tests),
-# CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it), BENCHES (subset of
+# CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it),
+# CHECK_RESUME (a folder of earlier check JSONs: skip what passed there at the same render), BENCHES (subset of
 # "h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv"), TUNE_ARGS (extra kdagen tune options).
 set -u
 out="${1:-${OUT:-/tmp/kdagen-out}}"
@@ -25,8 +26,10 @@ step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$out/$name.log" 2>&1; l
   echo "$name: rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"; tail -n "${TAIL:-3}" "$out/$name.log"; }
 # CHECK_SHARDS (4) check processes: each spends most of its time building inputs and the fp64 reference
 # on the host, so they overlap on the one GPU.
-sharded_check() { local space=$1 tag=$2 n=${CHECK_SHARDS:-4} pids=() i; for ((i = 0; i < n; i++)); do
-    kdagen check --space "$space" ${CHECK_MATCH:+--match "$CHECK_MATCH"} --shard "$i/$n" --json "$out/check_${tag}_$i.json" \
+sharded_check() { local space=$1 tag=$2 n=${CHECK_SHARDS:-4} pids=() i resume=()
+  for f in "${CHECK_RESUME:-/nonexistent}"/*.json; do [[ -f $f ]] && resume+=(--resume "$f"); done
+  for ((i = 0; i < n; i++)); do
+    kdagen check --space "$space" ${CHECK_MATCH:+--match "$CHECK_MATCH"} "${resume[@]}" --shard "$i/$n" --json "$out/check_${tag}_$i.json" \
       >"$out/check_${tag}_$i.log" 2>&1 & pids+=($!); done
   local rc=0; for i in "${pids[@]}"; do wait "$i" || rc=1; done
   grep -h "^FAIL\|passed, " "$out"/check_"${tag}"_*.log; worst "$out"/check_"${tag}"_*.json; return $rc; }

@@ -1,10 +1,14 @@
-"""The check's host-side planning (CPU): shards of whole contracts."""
+"""The check's host-side planning (CPU): shards of whole contracts, resuming a cut check."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from kdagen.check import shard_by_contract
+from kdagen.check import CaseResult, passed_before, result_records, shard_by_contract
+from kdagen.serve.variant import Variant
 from kdagen.space import Space
 
 
@@ -22,3 +26,25 @@ def test_shards_split_whole_contracts_evenly_and_keep_them_together(count: int) 
     biggest = max(sum(v.contract_key == k for v in variants) for k in owners)
     sizes = [len(s) for s in shards]
     assert max(sizes) - min(sizes) <= biggest
+
+
+def _case(name: str, max_rel: float) -> CaseResult:
+    return CaseResult(name, "single", 0.0, max_rel, 0.0, untouched_ok=True, deterministic=True)
+
+
+def test_a_resumed_check_skips_what_passed_at_the_same_render_only(tmp_path: Path) -> None:
+    good, bad = "commit-h12-q8-i32-bulk-t128-v4-r2-pdl", "commit-h12-q8-i32-bulk-t128-v4-r4-pdl"
+    records = result_records(Variant.parse(good), "aaaa", [_case(good, 0.0), _case(good, 1e-3)])
+    records += result_records(Variant.parse(bad), "bbbb", [_case(bad, 0.0), _case(bad, 1.0)])
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(records))
+    assert passed_before([first]) == {(good, "aaaa")}  # one failing case fails the variant
+    # A variant that failed once at a render is run again, whatever later runs said (their
+    # inputs may have missed the bug); an old file without digests resumes nothing.
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps(result_records(Variant.parse(bad), "bbbb", [_case(bad, 0.0)])))
+    assert passed_before([first, second]) == {(good, "aaaa")}
+    assert passed_before([second]) == {(bad, "bbbb")}
+    legacy = tmp_path / "legacy.json"
+    legacy.write_text(json.dumps([{**_case(good, 0.0).__dict__}]))
+    assert passed_before([legacy]) == set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -210,7 +211,9 @@ def check(
     records: list[dict] = []
     failed = set()
     for v in todo:
+        started = time.perf_counter()
         cases = check_variant(v, seed)
+        seconds = time.perf_counter() - started
         records += result_records(v, digests[v.name], cases)
         if json_out:  # after each variant: a killed check keeps what it ran
             json_out.write_text(json.dumps(records, indent=1))
@@ -220,7 +223,8 @@ def check(
             failed.add(v.name)
         detail = worst.error or worst.summary()
         typer.echo(
-            f"{'PASS' if ok else 'FAIL'}  {v.name}  ({len(cases)} cases; worst {worst.case}: {detail})"
+            f"{'PASS' if ok else 'FAIL'}  {v.name}  ({len(cases)} cases, {seconds:.1f} s; "
+            f"worst {worst.case}: {detail})"
         )
     if json_out and not todo:
         json_out.write_text("[]")

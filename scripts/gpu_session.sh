@@ -11,7 +11,9 @@
 # Env: COMPILE_SPACES (default: every shipped space), COMPILE_MATCH (only variants whose name
 # contains it), PYTEST_FILES (default: tests),
 # CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it),
-# CHECK_RESUME (a folder of earlier check JSONs: skip what passed there at the same render), BENCHES (subset of
+# CHECK_RESUME (a folder of earlier check JSONs: skip what passed there at the same render),
+# DEADLINE (seconds from the start: every kdagen and pytest run is interrupted then, the tune
+# keeps what it measured and a check its JSON, both resumable), BENCHES (subset of
 # "h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv"), TUNE_ARGS (extra kdagen tune options).
 set -u
 out="${1:-${OUT:-/tmp/kdagen-out}}"
@@ -20,7 +22,10 @@ mkdir -p "$out"
 source .devkit/install.sh /tmp/kdagen-site >/dev/null || exit 1  # (sourcing would pass our $1 as its target)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KDAGEN_CACHE="${KDAGEN_CACHE:-/tmp/kdagen-cache}"
-kdagen() { python3 -m kdagen.cli "$@"; }
+# Within DEADLINE: SIGINT first (the tune stops cleanly), SIGKILL 20 s later.
+bounded() { local left=$(( ${DEADLINE:-1000000} - SECONDS )); (( left > 5 )) || { echo "past DEADLINE: $*"; return 124; }
+  timeout -s INT -k 20 "$left" "$@"; }
+kdagen() { bounded python3 -m kdagen.cli "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$out/$name.log" 2>&1; local rc=$?
   echo "$name: rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"; tail -n "${TAIL:-3}" "$out/$name.log"; }
@@ -48,7 +53,7 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_MATCH:+--match "$COMPILE_MATCH"} ${COMPILE_SPACES:-}
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
-has pytest && TAIL=8 step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
+has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
 benches="${BENCHES:-h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv}"
 bench_verify() { local name=$1 tail=$2; shift 2; [[ " $benches " == *" $name "* ]] || return 0
   TAIL=$tail step "bench_$name" kdagen bench --space verify_sm90.yaml "$@" --out "$out/bench_verify_$name.json"; }

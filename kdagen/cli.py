@@ -209,13 +209,15 @@ def check(
         typer.echo(f"{len(selected) - len(todo)} variants passed before at this render: skipped")
     typer.echo(f"checking {len(todo)} variants on {arch}, seed {seed}")
     records: list[dict] = []
+    if json_out:  # rewritten after each variant: a killed check keeps what it ran
+        json_out.write_text("[]")
     failed = set()
     for v in todo:
         started = time.perf_counter()
         cases = check_variant(v, seed)
         seconds = time.perf_counter() - started
         records += result_records(v, digests[v.name], cases)
-        if json_out:  # after each variant: a killed check keeps what it ran
+        if json_out:
             json_out.write_text(json.dumps(records, indent=1))
         worst = max(cases, key=lambda c: (not c.passed, c.score))
         ok = all(c.passed for c in cases)
@@ -226,8 +228,6 @@ def check(
             f"{'PASS' if ok else 'FAIL'}  {v.name}  ({len(cases)} cases, {seconds:.1f} s; "
             f"worst {worst.case}: {detail})"
         )
-    if json_out and not todo:
-        json_out.write_text("[]")
     typer.echo(f"{len(todo) - len(failed)} passed, {len(failed)} failed")
     if failed:
         raise typer.Exit(1)

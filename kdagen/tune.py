@@ -394,8 +394,9 @@ def stamp_machine_code(study: optuna.Study, compiler: Compiler, names: list[str]
     digests = machine_code_of(compiler, names)
     if digests is None:
         return False
-    if study.user_attrs.get("machine_hash") != machine_hash(digests):
-        study.set_user_attr("machine_hash", machine_hash(digests))
+    hashed = machine_hash(digests)
+    if study.user_attrs.get("machine_hash") != hashed:
+        study.set_user_attr("machine_hash", hashed)
     return True
 
 

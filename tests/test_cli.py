@@ -28,10 +28,10 @@ def test_help_lists_the_pipeline() -> None:
 def test_variants_prints_count_constraints_and_names() -> None:
     result = runner.invoke(app, ["variants", "--space", "commit.yaml"])
     assert result.exit_code == 0, result.output
-    assert "space commit (commit): 560 variants from 1152 points" in result.output
+    assert "space commit (commit): 616 variants from 1152 points" in result.output
     assert "removed  480: the models' head counts per GPU" in result.output
-    assert "removed  112: at most 64 state elements per thread" in result.output
-    assert "commit-h12-q8-i32-bulk-t128-v8-r2-pdl" in result.output
+    assert "removed   56: at most 16 update chunks per thread" in result.output
+    assert "commit-h12-q8-i32-bulk-t128-v8-r1-pdl" in result.output
 
 
 def test_variants_bad_space_file(tmp_path: Path) -> None:

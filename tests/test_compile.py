@@ -112,7 +112,7 @@ def test_the_machine_digest_sees_code_not_renders(tmp_path: Path, monkeypatch) -
     variant = Variant(kernel="commit", heads=2, window=1, threads=128, vec=8)
     records = []
     edits = [("", ""), ("K = 128", "# a reworded comment\nK = 128"),
-             ("PIECES = min(4, RUN)", "PIECES = min(2, RUN)")]  # fmt: skip
+             ("PIECES = min(4, CHUNKS)", "PIECES = min(2, CHUNKS)")]  # fmt: skip
     for n, (old, new) in enumerate(edits):
         templates = tmp_path / f"templates{n}"
         shutil.copytree(source, templates)

@@ -175,14 +175,28 @@ def result_records(variant: Variant, digest: str, cases: list) -> list[dict]:
     return [{**c.__dict__, "passed": c.passed, "digest": digest} for c in cases]
 
 
-def passed_before(paths: Iterable[Path]) -> set[tuple[str, str]]:
-    """(variant, digest) pairs whose every case passed in earlier ``kdagen check --json``
-    files: a resumed check skips them while they render to the same kernel. Files from a
-    check without digests resume nothing."""
+def passed_in_tune(folder: Path, fingerprint: str) -> set[str]:
+    """Variants that passed ``check_variant`` in the tune of ``folder`` (a tuned folder: the
+    tuner checks every candidate before timing it), in studies measured on the GPU
+    ``fingerprint`` whose candidates still render to the kernels they checked and timed
+    (``kdagen.studies.fresh_studies``)."""
+    from kdagen.search import recorded
+    from kdagen.serve.variant import PATHS
+    from kdagen.storage import folder_url, open_storage
+    from kdagen.studies import fresh_studies, make_stamp
+
+    storage = open_storage(folder_url(folder))
+    studies = fresh_studies(storage, make_stamp(fingerprint, list(PATHS)))
+    return {name for study in studies for name, outcome in recorded(study).items() if outcome.ok}
+
+
+def check_verdicts(paths: Iterable[Path]) -> dict[tuple[str, str], bool]:
+    """(variant, digest) -> whether every case passed, over earlier ``kdagen check --json``
+    files (``digest``: the kernel that ran). Files from a check without digests give none."""
     verdicts: dict[tuple[str, str], bool] = {}
     for path in paths:
         for record in json.loads(Path(path).read_text()):
             if "digest" in record:
                 key = (record["variant"], record["digest"])
                 verdicts[key] = verdicts.get(key, True) and bool(record["passed"])
-    return {key for key, ok in verdicts.items() if ok}
+    return verdicts

@@ -186,14 +186,23 @@ def check(
     ),
     resume: list[Path] = typer.Option(
         None,
-        help="--json files of earlier checks: skip the variants that passed there and still "
-        "render to the same kernel (a check cut short by a time limit goes on; a variant that failed in any of them runs again)",
+        help="--json files of earlier checks, or tuned folders (generated/<gpu>/: the tuner "
+        "checks what it times): skip the variants that passed there and still render to the "
+        "same kernel (a check cut short by a time limit goes on; a variant that failed in any "
+        "--json file runs again)",
     ),
 ) -> None:
     """Run every variant on the GPU against the fp64 reference, edge cases included."""
     _require_gpu()
-    from kdagen.check import check_variant, passed_before, result_records, shard_by_contract
+    from kdagen.check import (
+        check_variant,
+        check_verdicts,
+        passed_in_tune,
+        result_records,
+        shard_by_contract,
+    )
     from kdagen.render import digest
+    from kdagen.serve.fingerprint import gpu_fingerprint
 
     seed = random.randrange(1 << 30) if seed is None else seed
     try:
@@ -203,8 +212,9 @@ def check(
         raise typer.BadParameter(f"--shard must be K/N with 0 <= K < N, got {shard!r}") from None
     arch, selected = _runnable(shard_by_contract(_filter(_variants(space), match), index, count))
     digests = {v.name: digest(v) for v in selected}
-    done = passed_before(resume or [])
-    todo = [v for v in selected if (v.name, digests[v.name]) not in done]
+    verdicts = check_verdicts(p for p in resume or [] if not p.is_dir())
+    tuned = set().union(*(passed_in_tune(p, gpu_fingerprint()) for p in resume or [] if p.is_dir()))
+    todo = [v for v in selected if not verdicts.get((v.name, digests[v.name]), v.name in tuned)]
     if len(todo) < len(selected):
         typer.echo(f"{len(selected) - len(todo)} variants passed before at this render: skipped")
     typer.echo(f"checking {len(todo)} variants on {arch}, seed {seed}")

@@ -12,6 +12,8 @@
 # contains it), PYTEST_FILES (default: tests),
 # CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it),
 # CHECK_RESUME (a folder of earlier check JSONs: skip what passed there at the same render),
+# CHECK_TUNED (non-empty: also skip what the tuner checked in generated/'s fresh studies, e.g.
+# after this call's tune step),
 # DEADLINE (seconds from the start: every kdagen and pytest run is interrupted then, the tune
 # keeps what it measured and a check its JSON, both resumable), BENCHES (subset of
 # "h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv"), TUNE_ARGS (extra kdagen tune options).
@@ -33,6 +35,7 @@ step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$out/$name.log" 2>&1; l
 # on the host, so they overlap on the one GPU.
 sharded_check() { local space=$1 tag=$2 n=${CHECK_SHARDS:-4} pids=() i resume=()
   for f in "${CHECK_RESUME:-/nonexistent}"/*.json; do [[ -f $f ]] && resume+=(--resume "$f"); done
+  if [[ -n ${CHECK_TUNED:-} ]]; then for d in generated/nvidia-*/; do resume+=(--resume "$d"); done; fi
   for ((i = 0; i < n; i++)); do
     kdagen check --space "$space" ${CHECK_MATCH:+--match "$CHECK_MATCH"} "${resume[@]}" --shard "$i/$n" --json "$out/check_${tag}_$i.json" \
       >"$out/check_${tag}_$i.log" 2>&1 & pids+=($!); done

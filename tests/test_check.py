@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kdagen.check import CaseResult, passed_before, result_records, shard_by_contract
+from kdagen.check import CaseResult, check_verdicts, result_records, shard_by_contract
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
 
@@ -38,13 +38,14 @@ def test_a_resumed_check_skips_what_passed_at_the_same_render_only(tmp_path: Pat
     records += result_records(Variant.parse(bad), "bbbb", [_case(bad, 0.0), _case(bad, 1.0)])
     first = tmp_path / "first.json"
     first.write_text(json.dumps(records))
-    assert passed_before([first]) == {(good, "aaaa")}  # one failing case fails the variant
+    # one failing case fails the variant
+    assert check_verdicts([first]) == {(good, "aaaa"): True, (bad, "bbbb"): False}
     # A variant that failed once at a render is run again, whatever later runs said (their
     # inputs may have missed the bug); an old file without digests resumes nothing.
     second = tmp_path / "second.json"
     second.write_text(json.dumps(result_records(Variant.parse(bad), "bbbb", [_case(bad, 0.0)])))
-    assert passed_before([first, second]) == {(good, "aaaa")}
-    assert passed_before([second]) == {(bad, "bbbb")}
+    assert check_verdicts([first, second])[(bad, "bbbb")] is False
+    assert check_verdicts([second]) == {(bad, "bbbb"): True}
     legacy = tmp_path / "legacy.json"
     legacy.write_text(json.dumps([{**_case(good, 0.0).__dict__}]))
-    assert passed_before([legacy]) == set()
+    assert check_verdicts([legacy]) == {}

@@ -630,3 +630,23 @@ def test_a_working_database_newer_than_the_packed_copy_is_kept(tmp_path: Path) -
     folder_url(tmp_path)
     assert db.read_bytes() == b"packed run"
     assert sorted(p.name for p in tmp_path.iterdir()) == [FOLDER_DB, PACKED_DB]
+
+
+def test_a_check_resumes_from_the_variants_a_fresh_tune_checked(
+    tmp_path: Path, workloads: Path, monkeypatch
+) -> None:
+    """``kdagen check --resume generated/<gpu>/``: the tuner checks every candidate before
+    timing it, so a check after a re-tune skips them, but only on the GPU that tuned them and
+    while they render to the kernels checked; a candidate whose check failed is not skipped."""
+    from kdagen.check import passed_in_tune
+
+    run(options(tmp_path, workloads, exhaustive=True), lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    passed = passed_in_tune(folder, "simulated-h200-sm90-132sm")
+    wrong = next(v.name for v in candidates() if FAILURES["wrong"][0] in v.name)
+    checked = {n for s in studies_of(folder).values() for n in scored_names(s)}
+    assert passed and wrong in checked and wrong not in passed and passed <= checked
+    assert passed_in_tune(folder, "another-gpu") == set()
+    original = krender.render
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
+    assert passed_in_tune(folder, "simulated-h200-sm90-132sm") == set()

@@ -42,26 +42,36 @@ def environment() -> jinja2.Environment:
 # first TRACE_HEADER are per-CTA fields and the rest 4 per unit (scripts/trace_verify.py).
 TRACE_SLOTS = 128
 TRACE_HEADER = 12
+
+
+def _sm90(variant: Variant) -> bool:
+    return variant.kernel == "verify" and variant.path == "sm90_wgmma"
+
+
 # Measurement bounds (RenderOptions.bound): builds with wrong outputs that time one part of
 # the kernel alone; each with the variants its template expresses it for.
 BOUNDS: dict[str, tuple[Callable[[Variant], bool], str]] = {
     # every unit's loads and, for a live unit, its stores (of the input registers): no math
-    "loads-stores-only": (lambda v: v.threads == 128 and v.row_split == 1, "one warpgroup, r1"),
+    "loads-stores-only": (lambda v: _sm90(v) and v.threads == 128 and v.row_split == 1,
+                          "an sm90_wgmma verify, one warpgroup, r1"),
     # every unit reads and writes request 0's rows, which stay in L2: (almost) no HBM traffic
-    "l2-resident": (lambda v: v.row_split == 1, "r1"),
+    "l2-resident": (lambda v: _sm90(v) and v.row_split == 1, "an sm90_wgmma verify, r1"),
     # the math without the stores of kg, out and corr (behind a test that never holds)
-    "no-stores": (lambda v: True, "an sm90_wgmma variant"),
+    "no-stores": (_sm90, "an sm90_wgmma verify"),
     # the conv's loads and stores without its arithmetic (the raw window for its output)
-    "conv-bytes-only": (lambda v: v.conv and v.threads == 128, "the conv, one warpgroup"),
-}
+    "conv-bytes-only": (lambda v: _sm90(v) and v.conv and v.threads == 128,
+                        "an sm90_wgmma verify with the conv, one warpgroup"),
+    # commit: the plan, copies and stores with no factors or update arithmetic
+    "no-fold": (lambda v: v.kernel == "commit", "a commit variant"),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """Perf-work builds of an sm90_wgmma verify kernel (scripts/trace_verify.py); the
-    defaults render the product's kernel. ``trace_records``: the device address of the
-    per-CTA trace records into which thread 0 of each CTA stores %globaltimer (0: none).
-    ``bound``: a key of ``BOUNDS``, or None."""
+    """Perf-work builds (scripts/trace_verify.py, scripts/sweep_model_commit.py); the
+    defaults render the product's kernel. ``trace_records`` (sm90_wgmma verify kernels): the
+    device address of the per-CTA trace records into which thread 0 of each CTA stores
+    %globaltimer (0: none). ``bound``: a key of ``BOUNDS``, or None."""
 
     trace_records: int = 0
     bound: str | None = None
@@ -70,8 +80,9 @@ class RenderOptions:
         """Raise ValueError where ``variant``'s template has no such build."""
         if self == RenderOptions():
             return
-        if variant.kernel != "verify" or variant.path != "sm90_wgmma":
-            raise ValueError(f"render options build sm90_wgmma verify kernels, not {variant.name}")
+        if self.trace_records and not _sm90(variant):
+            raise ValueError(f"trace records are built into sm90_wgmma verify kernels, not "
+                             f"{variant.name}")  # fmt: skip
         if self.bound is None:
             return
         if self.bound not in BOUNDS:

@@ -3,10 +3,13 @@
 For each batch: the input sets of ``kdagen bench --layers`` (vLLM 0.33's layout), each
 variant of the shipped commit space for the key timed through ``ModelCommit`` with the conv
 state compacted (and the best without it), vLLM's Triton commit when ``.peers`` holds it.
-The fastest per batch (``--top``) are printed with their share of the HBM floor.
+The fastest per batch (``--top``) are printed with their share of the HBM floor. With
+``--bound no-fold`` every variant is built as that measurement bound (``kdagen.render.BOUNDS``:
+the plan, copies and stores alone; wrong outputs), in the compile cache beside the product's.
 
     python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
                                          [--batches 1,16,64,256] [--top 4] [--match S]
+                                         [--bound no-fold]
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from functools import partial
 
 import torch
 
+import kdagen.compile as kcompile
+import kdagen.render as krender
 from kdagen import bench, bench_model
 from kdagen.peers import vllm_commit
 from kdagen.serve.model_commit import ModelCommit
@@ -30,6 +35,13 @@ def time_variant(sets: list, built: list[ModelCommit], variant: object) -> bench
     ])  # fmt: skip
 
 
+def render_with(options: krender.RenderOptions) -> None:
+    """Every kernel this process builds rendered with ``options`` (its digest differs from
+    the product render's, so both builds keep their own cache entries)."""
+    product = krender.render
+    krender.render = kcompile.render = lambda v: product(v, options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=69)
@@ -38,7 +50,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--top", type=int, default=4, help="rows printed per batch")
     parser.add_argument("--match", default="", help="only variants whose name contains this")
+    parser.add_argument("--bound", choices=["no-fold"], help="build every variant as this "
+                        "measurement bound (its outputs are wrong)")  # fmt: skip
     args = parser.parse_args()
+    if args.bound:
+        render_with(krender.RenderOptions(bound=args.bound))
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     key = f"commit-h{args.heads}-q{args.window}-i32"

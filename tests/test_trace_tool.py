@@ -55,15 +55,30 @@ def test_default_options_render_the_product_kernel(variant: Variant) -> None:
 
 
 def test_a_bound_refuses_what_it_does_not_apply_to() -> None:
-    with pytest.raises(ValueError, match="conv-bytes-only.*needs the conv"):
+    with pytest.raises(
+        ValueError, match="conv-bytes-only.*needs an sm90_wgmma verify with the conv"
+    ):
         render(BASE, RenderOptions(bound="conv-bytes-only"))
-    with pytest.raises(ValueError, match="loads-stores-only.*needs one warpgroup, r1"):
+    with pytest.raises(
+        ValueError, match="loads-stores-only.*needs an sm90_wgmma verify, one warpgroup, r1"
+    ):
         render(replace(BASE, row_split=2), RenderOptions(bound="loads-stores-only"))
     with pytest.raises(ValueError, match="unknown bound"):
         render(BASE, RenderOptions(bound="no-math"))
     commit = Variant(kernel="commit", heads=2, window=2)
     with pytest.raises(ValueError, match="sm90_wgmma verify"):
         render(commit, RenderOptions(trace_records=TRACE))
+
+
+def test_the_commit_bound_drops_the_fold_and_only_applies_to_commits() -> None:
+    commit = Variant(kernel="commit", heads=12, window=8, threads=128, vec=4, row_split=2)
+    source = render(commit, RenderOptions(bound="no-fold"))
+    compile(source, commit.name, "exec")
+    assert "cute.math.fma" in render(commit) and "cute.math.fma" not in source
+    assert "self.factors(s_kg" in render(commit) and "self.factors(s_kg" not in source
+    for bound in (b for b in BOUNDS if b != "no-fold"):
+        with pytest.raises(ValueError, match=f"bound '{bound}' needs an sm90_wgmma verify"):
+            render(commit, RenderOptions(bound=bound))
 
 
 def test_a_traced_bound_builds_for_sm90a(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from kdagen import first_use, reference
 from kdagen.emulate import relative_errors
+from kdagen.render import guards_pool
 from kdagen.serve.variant import Variant
 from kdagen.testing import (
     bits,
@@ -49,6 +50,7 @@ class VerifyCase:
     ragged: bool = True  # some windows empty or shorter than Q
     nulls: bool = True  # about a fifth of the requests on the null slot
     null_slot: int = 0
+    outside: bool = False  # a slot past the pool and one of -3: padding (conv guard slots)
     # (std, mean) of raw_g instead of N(0, 1): with the softplus gate, per-channel log decays
     # from ~0 to a few hundred a token, which forget the state inside the window.
     gate_logits: tuple[float, float] | None = None
@@ -66,11 +68,21 @@ SOFTPLUS_CASES = (
     VerifyCase("forget", 48, gate_logits=(200.0, 100.0)),
     VerifyCase("forget-all", 16, gate_logits=(0.0, 1e4)),
 )
+# Slots outside the pool (issue 28), for the kernels that test them (``guards_pool``): past
+# the pool's end, and -3 above a null slot below it.
+OUTSIDE_CASES = (
+    VerifyCase("outside-pool", 12, outside=True),
+    VerifyCase("null-below-pool", 12, null_slot=-4, outside=True),
+)
 MANY_UNITS = 3600
 
 
 def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
-    return VERIFY_CASES + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
+    return (
+        VERIFY_CASES
+        + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
+        + (OUTSIDE_CASES if guards_pool(variant) else ())
+    )
 
 
 @dataclass
@@ -122,7 +134,8 @@ def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]
     """Fresh random inputs on the GPU for ``variant``'s contract, outputs poisoned."""
     batch = case.batch or max(1, MANY_UNITS // variant.heads)
     inputs = verify_inputs_for(variant, batch, null_slot=case.null_slot, seed=seed,
-                               device="cuda", ragged=case.ragged, nulls=case.nulls)  # fmt: skip
+                               device="cuda", ragged=case.ragged, nulls=case.nulls,
+                               outside=case.outside)  # fmt: skip
     if case.gate_logits is not None:
         std, mean = case.gate_logits
         gen = torch.Generator(device="cuda").manual_seed(seed)

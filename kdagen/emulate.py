@@ -317,10 +317,11 @@ def verify_like_sm100(args: VerifyArgs) -> None:
     window, batch = corr.shape[2], slots.shape[0]
     if state.dtype != BF16:  # the tensor cores read the pool as it is
         raise ValueError(f"state: expected bf16 (the kernel's pool dtype), got {state.dtype}")
-    req = request_layout(args.query_start, slots, args.null_slot, window, qkv.shape[0])
+    req = request_layout(
+        args.query_start, slots, args.null_slot, window, qkv.shape[0], state.shape[0]
+    )
     if batch == 0 or not req.tokens.any():
         return
-    check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
     if conv[0] is not None:
         check_live_slots("slots", req.slot, req.live, conv[0].shape[0], unique=True)
     mixed = _activations(qkv, req, None if conv[0] is None else conv, args.conv_dim_first)

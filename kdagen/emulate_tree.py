@@ -36,7 +36,7 @@ from kdagen.emulate import (
     _window_tokens,
     softplus_gate_floor,
 )
-from kdagen.reference import check_live_slots, request_layout
+from kdagen.reference import request_layout
 from kdagen.serve.contract import VerifyArgs
 from kdagen.serve.validate import KdaInputError
 from kdagen.tree import check_parents, check_tree_verify
@@ -149,11 +149,12 @@ def verify_tree_like_sm100(
             f"the rebased couplings hold in fp32), got {lower_bound:g} x {window}"
         )
     batch = args.slots.shape[0]
-    req = request_layout(args.query_start, args.slots, args.null_slot, window, args.qkv.shape[0])
+    req = request_layout(
+        args.query_start, args.slots, args.null_slot, window, args.qkv.shape[0], state.shape[0]
+    )
     if batch == 0 or not req.tokens.any():
         return
     tree = window_parents(check_parents(OP, "parents", parents, req.qlen, req.rows), req.tokens)
-    check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
 
     tok = _window_tokens(args, req, _activations(args.qkv, req, None, False))
     floor = tree_softplus_floor(window) if softplus_floor is None else softplus_floor

@@ -250,7 +250,7 @@ class Requests:
 
     bos: Tensor  # [B] int64
     qlen: Tensor  # [B] int64
-    valid: Tensor  # [B] bool: slot > null_slot
+    valid: Tensor  # [B] bool: max(null_slot, -1) < slot < slot_count (any other slot pads)
     live: Tensor  # [B] bool: valid and qlen > 0
     tokens: Tensor  # [B, Q] bool: t < qlen
     rows: Tensor  # [B, Q] int64
@@ -258,9 +258,16 @@ class Requests:
 
 
 def request_layout(
-    query_start: Tensor, slots: Tensor, null_slot: int, window: int, num_tokens: int
+    query_start: Tensor,
+    slots: Tensor,
+    null_slot: int,
+    window: int,
+    num_tokens: int,
+    slot_count: int,
 ) -> Requests:
-    """Index tensors for B = ``slots.shape[0]`` requests of at most ``window`` tokens.
+    """Index tensors for B = ``slots.shape[0]`` requests of at most ``window`` tokens; a
+    slot outside ``(max(null_slot, -1), slot_count)`` (the pool's slots, not the null slot) is
+    a padding request's.
 
     Raises ValueError if a window is negative, longer than ``window`` or past ``num_tokens``.
     """
@@ -275,7 +282,7 @@ def request_layout(
     if batch and qlen.max() > 0 and starts[1:][qlen > 0].max() > num_tokens:
         _fail("query_start", "token ends <=", num_tokens, starts.tolist())
     slot = slots.long()
-    valid = slot > null_slot
+    valid = (slot > max(null_slot, -1)) & (slot < slot_count)  # every negative slot pads
     pos = torch.arange(window, device=slots.device)
     tokens = pos[None, :] < qlen[:, None]
     rows = bos[:, None] + torch.minimum(pos[None, :], (qlen - 1).clamp(min=0)[:, None])
@@ -366,10 +373,11 @@ def verify(args: VerifyArgs, *, compute_dtype: torch.dtype = torch.float64) -> N
     qkv, raw_g, a_log, state = args.qkv, args.raw_g, args.a_log, args.state
     conv_state = args.conv_state
     heads, window, batch = a_log.shape[0], args.corr.shape[2], args.slots.shape[0]
-    req = request_layout(args.query_start, args.slots, args.null_slot, window, qkv.shape[0])
+    req = request_layout(
+        args.query_start, args.slots, args.null_slot, window, qkv.shape[0], state.shape[0]
+    )
     if batch == 0 or not req.tokens.any():
         return
-    check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
     here = req.tokens[:, :, None]  # [B, Q, 1]: masks token positions past qlen
 
     raw = torch.where(here, qkv[req.rows], 0.0)  # [B, Q, 3HK] bf16

@@ -45,6 +45,9 @@ _BITS_VIEW: dict[torch.dtype, torch.dtype] = {
 }
 
 # Quiet NaNs with a payload arithmetic never makes (floats), a recognisable sentinel (ints).
+# Poisoned conv-state slots after the pool's in ``outside`` inputs (a slot past the pool is
+# at most num_slots + 2).
+GUARD_SLOTS = 4
 POISON_BITS: dict[torch.dtype, int] = {
     torch.bfloat16: 0x7FD5,
     torch.float16: 0x7ED5,
@@ -135,6 +138,7 @@ def make_verify_inputs(
     nulls: bool = True,
     extra_slots: int = 3,
     extra_rows: int = 1,
+    outside: bool = False,
     state_dtype: torch.dtype = torch.bfloat16,
     out_dtype: torch.dtype = torch.bfloat16,
     corr_dtype: torch.dtype = torch.float32,
@@ -153,6 +157,9 @@ def make_verify_inputs(
     - Data are never zero: projections ~N(0,1), raw_g ~N(0,1), a_log ~U(-1,1),
       dt_bias ~N(0,0.5), state ~N(0,0.1), taps ~N(0,0.5); ``accepted`` ~U{1..Q}.
     - ``out``, ``corr`` and ``kg`` (``B + extra_rows`` rows) are poisoned.
+    - With ``outside`` the first request's slot lies past the pool and the last one's is -3
+      (above a null slot below it): both pad. With conv, ``conv_guard`` then holds poisoned
+      slots right after the conv state's, where a kernel that took the first slot would write.
     """
     gen = _generator(seed)
     null = _padding_requests(B, nulls, gen)
@@ -162,6 +169,8 @@ def make_verify_inputs(
     num_slots = first_real + B + extra_slots
     real = (torch.randperm(num_slots - first_real, generator=gen)[:B] + first_real).tolist()
     slots = [null_slot if null[b] else real[b] for b in range(B)]
+    if outside and B >= 2:
+        slots[0], slots[-1] = num_slots + 2, -3
 
     # Bulk data are drawn where they will live: on a GPU that is ~100x faster than fp64 on
     # the host (a H = 96 pool is ~10^8 values), and seeded, so a case still reproduces.
@@ -198,14 +207,18 @@ def make_verify_inputs(
         "conv_dim_first": conv_dim_first,
         "qlen": qlen,
     }
+    guard = GUARD_SLOTS if outside else 0
     if conv:
         channels = 3 * H * K
-        rows = randn(num_slots, Q + 2, channels)
+        rows = randn(num_slots + guard, Q + 2, channels)
         inputs["conv_state"] = rows.transpose(1, 2).contiguous() if conv_dim_first else rows
         inputs["conv_w"] = randn(channels, CONV_WIDTH, std=0.5, dtype=conv_w_dtype)
         inputs["accepted"] = torch.randint(1, Q + 1, (B,), generator=gen, dtype=torch.int32)
     inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
     inputs["state"] = _state_view(inputs["state_pool"], H)
+    if conv and guard:
+        rows = inputs["conv_state"]
+        inputs["conv_state"], inputs["conv_guard"] = rows[:num_slots], poison_(rows[num_slots:])
     return inputs
 
 
@@ -255,8 +268,9 @@ def _requests(inputs: dict[str, Any]) -> list[tuple[int, int, int, bool]]:
     """(bos, qlen, slot, live slot) per request, on the host."""
     starts = inputs["query_start"].tolist()
     slots = inputs["slots"].tolist()
-    null = inputs["null_slot"]
-    return [(starts[b], starts[b + 1] - starts[b], s, s > null) for b, s in enumerate(slots)]
+    lowest, count = max(inputs["null_slot"], -1), inputs["state"].shape[0]
+    return [(starts[b], starts[b + 1] - starts[b], s, lowest < s < count)
+            for b, s in enumerate(slots)]  # fmt: skip
 
 
 def verify_write_masks(inputs: dict[str, Any]) -> dict[str, Tensor]:

@@ -223,11 +223,12 @@ def verify_tree(
     check_tree_verify(args, parents)
     qkv, state, conv_state = args.qkv, args.state, args.conv_state
     heads, window, batch = args.a_log.shape[0], args.corr.shape[2], args.slots.shape[0]
-    req = request_layout(args.query_start, args.slots, args.null_slot, window, qkv.shape[0])
+    req = request_layout(
+        args.query_start, args.slots, args.null_slot, window, qkv.shape[0], state.shape[0]
+    )
     if batch == 0 or not req.tokens.any():
         return
     tree = check_parents(VERIFY_TREE_OP, "parents", parents, req.qlen, req.rows)
-    check_live_slots("slots", req.slot, req.live, state.shape[0], unique=False)
     here = req.tokens[:, :, None]
 
     raw = torch.where(here, qkv[req.rows], 0.0)

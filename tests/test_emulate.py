@@ -46,6 +46,9 @@ CASES = [
     _case(5, 3, conv=True, conv_w_dtype=torch.float32),
     _case(8, 2, conv=True, conv_dim_first=True, conv_w_dtype=torch.float32),
     _case(8, 3, conv=True, null_slot=-1, seed=4),
+    # Slots outside the pool (past its end, -3 above a null slot below it): padding.
+    _case(6, 2, outside=True),
+    _case(7, 2, conv=True, null_slot=-4, outside=True, seed=5),
     # No decay (gates ~ 0): the state term keeps its full weight, the hardest case for corr.
     _case(8, 3, raw_g=-30.0),
     _case(5, 2, conv=True, conv_w_dtype=torch.float32, raw_g=-30.0),
@@ -137,9 +140,10 @@ def test_writes_only_the_allowed_elements(params: dict[str, Any]) -> None:
         kept = untouched_mask(inputs["conv_state"], emu["conv_state"])
         assert kept[~masks["conv_state"]].all()
     starts, slots = inputs["query_start"].tolist(), inputs["slots"].tolist()
+    lowest, slot_count = max(inputs["null_slot"], -1), inputs["state"].shape[0]
     for b, slot in enumerate(slots):
-        if slot <= inputs["null_slot"]:
-            assert (bits(emu["out"][starts[b] : starts[b + 1]]) == 0).all()  # +0.0, not -0.0
+        if not lowest < slot < slot_count:  # padding: +0.0 outputs, not -0.0
+            assert (bits(emu["out"][starts[b] : starts[b + 1]]) == 0).all()
 
 
 def test_empty_windows_write_nothing() -> None:

@@ -10,7 +10,8 @@ import torch
 from gpu_marks import HOPPER
 
 from kdagen import reference
-from kdagen.check_verify import VerifyCase, check_verify, run_verify_case
+from kdagen.check_verify import OUTSIDE_CASES, VerifyCase, check_verify, run_verify_case
+from kdagen.render import SM90_POOL_GUARD
 from kdagen.serve.runtime import commit, run_verify
 from kdagen.serve.variant import Variant
 from kdagen.serve.vllm import kda_recoverssm_verify
@@ -171,3 +172,18 @@ def test_two_warpgroups_at_odd_windows_pass_the_check(name: str) -> None:
     has a token less (a guarded last slot), so the full check runs here on two of them."""
     for result in check_verify(Variant.parse(name), SEED):
         assert result.passed, f"seed {SEED}: {result.error or result.summary()}"
+
+
+@pytest.mark.skipif(not SM90_POOL_GUARD, reason="the Hopper kernels test a slot past the pool "
+                    "from their next re-tune on (kdagen.render.SM90_POOL_GUARD)")  # fmt: skip
+@pytest.mark.parametrize("conv", [False, True])
+@pytest.mark.parametrize("case", OUTSIDE_CASES, ids=lambda c: c.name)
+def test_slots_outside_the_pool_pad(case: VerifyCase, conv: bool) -> None:
+    """A slot past the pool and one of -3 above the null slot: padding. Their outputs are
+    zeros, their records and the conv state's poisoned guard slots after the pool keep every
+    bit (the check's cases, on the default variant of each layout)."""
+    from kdagen.serve.runtime import default_verify_variant
+
+    variant = default_verify_variant(H, Q, "int32", case.batch, conv=conv)
+    result = run_verify_case(variant, case, SEED)
+    assert result.passed, f"seed {SEED}: {result.error or result.summary()}"

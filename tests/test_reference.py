@@ -61,9 +61,10 @@ def oracle_verify(inp: dict[str, Any]) -> dict[str, Any]:
     kg = inp["kg"].clone()
     new_conv = None if conv_state is None else conv_state.clone()
     states: dict[tuple[int, int], list[Tensor]] = {}
+    slot_count = inp["state"].shape[0]
     for b, slot in enumerate(slots):
         bos, qlen = starts[b], starts[b + 1] - starts[b]
-        if slot <= inp["null_slot"]:
+        if not max(inp["null_slot"], -1) < slot < slot_count:  # padding: negative, null, past
             out[bos : bos + qlen] = 0.0
             continue
         if qlen == 0:
@@ -122,27 +123,30 @@ def assert_written(name: str, got: Tensor, want: Tensor, mask: Tensor, rtol: flo
 
 def assert_inputs_untouched(before: dict[str, Any], after: dict[str, Any], names: list[str]):
     for name in names:
-        if before[name] is not None:
+        if before.get(name) is not None:
             assert untouched_mask(before[name], after[name]).all(), f"{name} was modified"
 
 
 INPUT_NAMES = ["qkv", "raw_g", "raw_beta", "a_log", "dt_bias", "query_start", "slots"]
 INPUT_NAMES += ["conv_w", "accepted"]
 
-# B, H, Q, conv, conv_dim_first, conv_w dtype, null_slot, slot dtype, seed
+# B, H, Q, conv, conv_dim_first, conv_w dtype, null_slot, slot dtype, seed, slots outside the
+# pool (one past its end, one of -3: padding)
 CASES = [
-    (6, 3, 8, False, False, torch.bfloat16, 0, torch.int32, 1),
-    (7, 2, 8, True, False, torch.bfloat16, -1, torch.int64, 2),
-    (6, 2, 8, True, True, torch.float32, 0, torch.int64, 3),
-    (8, 2, 5, True, False, torch.float32, 0, torch.int32, 4),
-    (5, 4, 4, True, True, torch.bfloat16, -1, torch.int32, 5),
-    (4, 2, 1, True, False, torch.bfloat16, 0, torch.int64, 6),
-    (6, 2, 3, False, False, torch.bfloat16, -1, torch.int64, 7),
+    (6, 3, 8, False, False, torch.bfloat16, 0, torch.int32, 1, False),
+    (7, 2, 8, True, False, torch.bfloat16, -1, torch.int64, 2, False),
+    (6, 2, 8, True, True, torch.float32, 0, torch.int64, 3, False),
+    (8, 2, 5, True, False, torch.float32, 0, torch.int32, 4, False),
+    (5, 4, 4, True, True, torch.bfloat16, -1, torch.int32, 5, False),
+    (4, 2, 1, True, False, torch.bfloat16, 0, torch.int64, 6, False),
+    (6, 2, 3, False, False, torch.bfloat16, -1, torch.int64, 7, False),
+    (7, 2, 4, True, False, torch.bfloat16, -4, torch.int32, 8, True),
+    (6, 2, 8, False, False, torch.bfloat16, 0, torch.int64, 9, True),
 ]
 
 
 def case_inputs(case: tuple, **kw: Any) -> dict[str, Any]:
-    batch, heads, window, conv, dim_first, w_dtype, null_slot, slot_dtype, seed = case
+    batch, heads, window, conv, dim_first, w_dtype, null_slot, slot_dtype, seed, outside = case
     return make_verify_inputs(
         batch,
         heads,
@@ -153,6 +157,7 @@ def case_inputs(case: tuple, **kw: Any) -> dict[str, Any]:
         null_slot=null_slot,
         slot_dtype=slot_dtype,
         seed=seed,
+        outside=outside,
         **kw,
     )
 
@@ -177,12 +182,14 @@ def test_verify_matches_recurrence(case: tuple) -> None:
         untouched = untouched_mask(before["conv_state"], inp["conv_state"])
         assert untouched[~masks["conv_state"]].all()
     assert untouched_mask(before["state_pool"], inp["state_pool"]).all(), "verify wrote state"
-    assert_inputs_untouched(before, inp, INPUT_NAMES)
-    # Padding requests wrote zeros for their tokens.
+    assert_inputs_untouched(before, inp, INPUT_NAMES + ["conv_guard"])
+    # Padding requests (the null slot, negative slots, slots past the pool) wrote zeros for
+    # their tokens and nothing else.
+    slot_count = inp["state"].shape[0]
     for b, slot in enumerate(inp["slots"].tolist()):
         bos, end = inp["query_start"][b : b + 2].tolist()
-        if slot <= inp["null_slot"]:
-            assert (inp["out"][bos:end] == 0).all()
+        if not max(inp["null_slot"], -1) < slot < slot_count:
+            assert (inp["out"][bos:end] == 0).all() and is_poisoned(inp["corr"][b]).all()
 
 
 def test_cases_cover_the_corners() -> None:
@@ -362,7 +369,7 @@ def test_commit_matches_recurrence(case: tuple) -> None:
     inp = case_inputs(case, state_dtype=F64, corr_dtype=F64)
     want = oracle_verify(clone_inputs(inp))
     reference.verify(verify_args(inp))
-    accepted = accept_counts(inp, seed=case[-1])
+    accepted = accept_counts(inp, seed=case[8])
     poison_rejected_(inp, accepted)
     before = clone_inputs(inp)
     reference.commit(commit_args(inp, accepted))

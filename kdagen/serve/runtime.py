@@ -124,6 +124,13 @@ def kernel_lower_bound(lower_bound: float | None) -> float:
     return 0.0 if lower_bound is None else float(lower_bound)
 
 
+def kernel_null_slot(null_slot: int) -> int:
+    """The kernels' ``null_slot`` argument: every negative slot pads. Their in-pool test is
+    ``slot > null_slot``, so a null slot below -1 would let -1 through; -1 rejects the same
+    requests the caller meant."""
+    return max(int(null_slot), -1)
+
+
 # What the commit kernel's plan arguments are when a caller has none of vLLM's extras: no
 # layer table (one layer), records by request row, accepted by request, no window lengths,
 # no prefix caching, no conv state. Absent tensors are never read (the pointer is `state`).
@@ -145,9 +152,7 @@ def launch_commit(variant: Variant, **values: Any) -> None:
 
     state = values["state"]
     values = _COMMIT_DEFAULTS | values
-    # Every negative slot pads: the kernel's in-pool test is slot > null_slot, so a null slot
-    # below -1 would let -1 through; -1 there rejects the same requests the caller meant.
-    values["null_slot"] = max(int(values["null_slot"]), -1)
+    values["null_slot"] = kernel_null_slot(values["null_slot"])
     for name in _COMMIT_TENSORS:
         if values.get(name) is None:
             values[name] = state
@@ -343,7 +348,7 @@ def verify(
     qkv [T, 3*H*128] bf16 (the raw projection with conv, else the convolved q, k, v),
     raw_g [T, H*128] bf16, raw_beta [T, H] bf16, a_log [H] fp32, dt_bias [H*128] fp32,
     state [slots, H, 128, 128] bf16 (slot stride may be padded), query_start [B+1] int32,
-    slots [B] int32/int64 (``<= null_slot``: padding), out [T, H*128] bf16,
+    slots [B] int32/int64 (``<= null_slot``, negative or outside the pool: padding), out [T, H*128] bf16,
     corr [rows>=B, H, Q, 128] fp32, kg [rows, H, Q, 256] bf16. With conv: conv_state
     [slots, Q+2, 3*H*128] (or [slots, 3*H*128, Q+2] with ``conv_dim_first``) bf16, rolled in
     place; conv_w [3*H*128, 4] bf16 or fp32; accepted [B] int32. Window lengths must be
@@ -388,7 +393,7 @@ def launch_verify(launch: VerifyLaunch, counter: torch.Tensor | None = None) -> 
         "batch": launch.batch, "rows": args.corr.shape[0],
         "records_by_slot": int(launch.records_by_slot), "slot_count": args.state.shape[0],
         "slot_stride": args.state.stride(0), "lower_bound": kernel_lower_bound(args.lower_bound),
-        "null_slot": int(args.null_slot), "stream": torch.cuda.current_stream(device),
+        "null_slot": kernel_null_slot(args.null_slot), "stream": torch.cuda.current_stream(device),
     }  # fmt: skip
     with torch.cuda.device(device):
         fn(*launch_args(launch.variant, values))

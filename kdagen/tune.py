@@ -106,6 +106,7 @@ class TuneOptions:
     start_timeout_s: float = 600.0
     devices: str = devices.ALL  # the GPUs: "all" (every visible one) or indices "0,2"
     claim_timeout_s: float = STALE_S  # a silent process's claim is taken over after this
+    checked: tuple[Path, ...] = ()  # kdagen check --json files: what passed is not checked again
 
 
 # ---- the plan ----
@@ -265,7 +266,7 @@ def _run(
     stamp = make_stamp(device["fingerprint"], list(PATHS))  # every kernel: see fresh_studies
     stale = stale_studies(storage, {n: p.space_hash for n, (p, _) in planned.items()}, stamp)
     _say_restarts(stale, echo)  # deleted by whichever process claims each (run_one)
-    ledger = Ledger()
+    ledger = Ledger(checked=passed_checks(options.checked))
     for study in fresh_studies(storage, stamp):
         ledger.add_study(study)
     progress = Progress(echo)
@@ -306,6 +307,19 @@ def _run(
         if not options.storage:
             pack_folder(folder)
     return TuneResult(folder, results, notes, wall, bool(device.get("simulated")))
+
+
+def passed_checks(paths: Sequence[Path]) -> set[str]:
+    """Variants whose every case passed in ``kdagen check --json`` files at the kernel they
+    render to now (the tuner runs the same check before timing a candidate: an earlier
+    sharded check, whose processes overlap their host-side work, spares it that)."""
+    if not paths:
+        return set()
+    from kdagen.check import check_verdicts  # imports torch: only when asked
+    from kdagen.render import digest
+
+    verdicts = check_verdicts(paths)
+    return {name for (name, at), ok in verdicts.items() if ok and at == digest(Variant.parse(name))}
 
 
 def _folder_storage(folder: Path) -> str:

@@ -65,6 +65,11 @@ def tune(
         "kernels compile to the machine code they measured and rewrite its outputs; no GPU, "
         "compiles only, refused if any kernel's code changed",
     ),
+    checked: list[Path] = typer.Option(
+        None,
+        help="kdagen check --json files: a candidate that passed there at the kernel it "
+        "renders to now is timed without checking it again (a sharded check first is faster)",
+    ),
     simulate: bool = typer.Option(
         False,
         hidden=True,
@@ -91,7 +96,7 @@ def tune(
     result = _run_tuner("tune", run, simulate, space, workloads=workloads, trials=trials or 32,
                         exhaustive=exhaustive, storage=storage, out=out, match=match, jobs=jobs,
                         timeout_s=timeout, rounds=rounds, seed=seed, devices=devices,
-                        claim_timeout_s=claim_timeout)  # fmt: skip
+                        claim_timeout_s=claim_timeout, checked=tuple(checked or ()))  # fmt: skip
     typer.echo(summary_table(result.results, result.simulated))
     typer.echo(f"wrote {result.folder} (dispatch.json, winners.json, report.md, plots/)")
 

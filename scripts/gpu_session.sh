@@ -4,12 +4,14 @@
 # Usage (repo root, devkit copied to .devkit/): bash scripts/gpu_session.sh [OUTDIR] [STEPS]
 # STEPS (default "compile check pytest bench"): any of compile, check, check_commit, pytest,
 # bench, bench_commit, tune (the shipped workloads, resuming from generated/ into OUTDIR/gen,
-# then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/),
+# then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/; what the
+# check steps passed before it is not checked again),
 # bench_model (the all-layer commit and decode step of a 69-layer model), bench_gate (the
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes). Every step logs to
 # OUTDIR; a short summary is printed last.
-# Env: COMPILE_SPACES (default: every shipped space), COMPILE_MATCH (only variants whose name
-# contains it), PYTEST_FILES (default: tests),
+# Env: COMPILE_SPACES (space names, e.g. "verify_sm90.yaml commit.yaml"; default: every
+# shipped space), COMPILE_MATCH (only variants whose name contains it), PYTEST_FILES (default:
+# tests),
 # CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it),
 # CHECK_RESUME (a folder of earlier check JSONs: skip what passed there at the same render),
 # CHECK_TUNED (non-empty: also skip what the tuner checked in generated/'s fresh studies, e.g.
@@ -53,7 +55,8 @@ for key in (k for k in keys if any(k in r for r in rows)):  # verify's, or commi
 PY
 }
 has() { [[ " $steps " == *" $1 "* ]]; }
-has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_MATCH:+--match "$COMPILE_MATCH"} ${COMPILE_SPACES:-}
+spaces=(); for name in ${COMPILE_SPACES:-}; do spaces+=(--space "$name"); done
+has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_MATCH:+--match "$COMPILE_MATCH"} "${spaces[@]}"
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
 has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
@@ -79,7 +82,9 @@ if has bench_commit; then
 fi
 if has tune; then
   mkdir -p "$out/gen" && cp -r generated/nvidia-* "$out/gen/"  # resume: re-measure what changed
-  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" ${TUNE_ARGS:-}
+  # What this call's check (and CHECK_RESUME's) passed is timed without checking it again.
+  checked=(); for f in "$out"/check_*.json "${CHECK_RESUME:-/nonexistent}"/*.json; do [[ -f $f ]] && checked+=(--checked "$f"); done
+  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" "${checked[@]}" ${TUNE_ARGS:-}
   cp -r "$out"/gen/nvidia-* generated/ && tar czf "$out/gen.tgz" -C "$out/gen" .
 fi
 if has bench_model; then

@@ -650,3 +650,32 @@ def test_a_check_resumes_from_the_variants_a_fresh_tune_checked(
     original = krender.render
     monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
     assert passed_in_tune(folder, "simulated-h200-sm90-132sm") == set()
+
+
+def test_a_sharded_check_first_spares_the_tuner_its_checks(tmp_path: Path, workloads: Path) -> None:
+    """``kdagen tune --checked``: a candidate that passed ``kdagen check`` at the kernel it
+    renders to now is timed without the tuner's own check (the simulated check would fail the
+    "wrong" candidate: it is timed instead); a pass recorded at another render counts for
+    nothing."""
+    from kdagen.check import result_records
+    from kdagen.render import digest
+
+    wrong = next(v for v in candidates() if FAILURES["wrong"][0] in v.name)
+    passed = CaseResult(wrong.name, "single", 0.0, 0.0, 0.0, untouched_ok=True, deterministic=True)
+    stale, fresh = tmp_path / "stale.json", tmp_path / "fresh.json"
+    stale.write_text(json.dumps(result_records(wrong, "another-render", [passed])))
+    fresh.write_text(json.dumps(result_records(wrong, digest(wrong), [passed])))
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+
+    def status_of_wrong() -> set[str]:
+        return {t.user_attrs.get("status") for s in studies_of(folder).values()
+                for t in s.get_trials() if t.user_attrs.get("variant") == wrong.name}  # fmt: skip
+
+    run(options(tmp_path, workloads, exhaustive=True, checked=(stale,)), lambda s: None,
+        fixed_default)  # fmt: skip
+    assert "failed" in status_of_wrong() and "ok" not in status_of_wrong()
+    other = tmp_path / "again"
+    run(options(other, workloads, exhaustive=True, checked=(fresh,)), lambda s: None,
+        fixed_default)  # fmt: skip
+    folder = other / "gen" / "simulated-h200-sm90-132sm"
+    assert "ok" in status_of_wrong() and "failed" not in status_of_wrong()

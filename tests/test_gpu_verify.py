@@ -16,6 +16,7 @@ from kdagen.serve.runtime import commit, run_verify
 from kdagen.serve.variant import Variant
 from kdagen.serve.vllm import kda_recoverssm_verify
 from kdagen.testing import (
+    GUARD_SLOTS,
     bits,
     clone_inputs,
     commit_args,
@@ -30,9 +31,25 @@ SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 H, Q = 12, 4
 
 
+POOL_GUARD = pytest.mark.skipif(
+    not SM90_POOL_GUARD,
+    reason="the Hopper kernels test a slot past the pool from their next re-tune on "
+    "(kdagen.render.SM90_POOL_GUARD)",
+)
+
+
+@pytest.mark.parametrize(
+    "outside", [False, pytest.param(True, marks=POOL_GUARD)], ids=["in-pool", "outside-pool"]
+)
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
-def test_vllm_entry_point_gives_the_same_outputs_as_verify(lower_bound: float | None) -> None:
-    inputs = make_verify_inputs(20, H, Q, device="cuda", seed=SEED, lower_bound=lower_bound)
+def test_vllm_entry_point_gives_the_same_outputs_as_verify(
+    lower_bound: float | None, outside: bool
+) -> None:
+    """The records by block, and with ``outside`` a block past the pool and one of -3
+    (padding): every record block of no live request, and GUARD_SLOTS poisoned blocks after
+    the records, keep their bits."""
+    inputs = make_verify_inputs(20, H, Q, device="cuda", seed=SEED, lower_bound=lower_bound,
+                                outside=outside)  # fmt: skip
     ours = clone_inputs(inputs)
     # Both dispatch (same contract and batch, so the same variant): variants may differ in the
     # order of their fp32 sums, so only the same variant gives the same bits.
@@ -42,9 +59,11 @@ def test_vllm_entry_point_gives_the_same_outputs_as_verify(lower_bound: float | 
     qkv = inputs["qkv"].view(1, tokens, 3, H, 128)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # strided views, no copy
     blocks = inputs["state"].shape[0]
-    corr = poison_(torch.empty(blocks, H, Q, 128, dtype=torch.float32, device="cuda"))
-    kg = poison_(torch.empty(blocks, H, Q, 256, dtype=torch.bfloat16, device="cuda"))
-    corr_before, kg_before = bits(corr).clone(), bits(kg).clone()
+    rows = blocks + GUARD_SLOTS  # guard blocks after the records
+    corr_all = poison_(torch.empty(rows, H, Q, 128, dtype=torch.float32, device="cuda"))
+    kg_all = poison_(torch.empty(rows, H, Q, 256, dtype=torch.bfloat16, device="cuda"))
+    corr, kg = corr_all[:blocks], kg_all[:blocks]
+    corr_before, kg_before = bits(corr_all).clone(), bits(kg_all).clone()
     out = kda_recoverssm_verify(
         q, k, v, inputs["raw_g"].view(1, tokens, H, 128), inputs["raw_beta"].view(1, tokens, H),
         inputs["a_log"], inputs["dt_bias"], inputs["lower_bound"], inputs["state"], corr, kg,
@@ -52,15 +71,15 @@ def test_vllm_entry_point_gives_the_same_outputs_as_verify(lower_bound: float | 
     )  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(bits(out.view(tokens, -1)), bits(ours["out"])), f"seed {SEED}"
-    written = torch.zeros(blocks, dtype=torch.bool, device="cuda")
+    written = torch.zeros(rows, dtype=torch.bool, device="cuda")
     for b, (slot, qlen) in enumerate(zip(slots.tolist(), inputs["qlen"], strict=True)):
-        if slot > 0 and qlen > 0:
+        if 0 < slot < blocks and qlen > 0:
             written[slot] = True
             assert torch.equal(corr[slot, :, :qlen], ours["corr"][b, :, :qlen]), f"seed {SEED}"
             assert torch.equal(bits(kg[slot, :, :qlen]), bits(ours["kg"][b, :, :qlen]))
-    # Blocks of no live request keep their poison.
-    assert torch.equal(bits(corr)[~written], corr_before[~written])
-    assert torch.equal(bits(kg)[~written], kg_before[~written])
+    # Blocks of no live request, and the guard blocks, keep their poison.
+    assert torch.equal(bits(corr_all)[~written], corr_before[~written])
+    assert torch.equal(bits(kg_all)[~written], kg_before[~written])
 
 
 def test_the_steepest_allowed_decay_keeps_the_check_bounds() -> None:
@@ -174,8 +193,7 @@ def test_two_warpgroups_at_odd_windows_pass_the_check(name: str) -> None:
         assert result.passed, f"seed {SEED}: {result.error or result.summary()}"
 
 
-@pytest.mark.skipif(not SM90_POOL_GUARD, reason="the Hopper kernels test a slot past the pool "
-                    "from their next re-tune on (kdagen.render.SM90_POOL_GUARD)")  # fmt: skip
+@POOL_GUARD
 @pytest.mark.parametrize("conv", [False, True])
 @pytest.mark.parametrize("case", OUTSIDE_CASES, ids=lambda c: c.name)
 def test_slots_outside_the_pool_pad(case: VerifyCase, conv: bool) -> None:

@@ -3,7 +3,8 @@
 For each batch: the input sets of ``kdagen bench --layers`` (vLLM 0.33's layout), each
 variant of the shipped commit space for the key timed through ``ModelCommit`` with the conv
 state compacted (and the best without it), vLLM's Triton commit when ``.peers`` holds it.
-The fastest per batch (``--top``) are printed with their share of the HBM floor. With
+The fastest per batch (``--top``) are printed with their share of the HBM floor, beside one
+plain copy of the same bytes timed the same way (what streaming them alone costs at this size). With
 ``--bound no-fold`` every variant is built as that measurement bound (``kdagen.render.BOUNDS``:
 the plan, copies and stores alone; wrong outputs), in the compile cache beside the product's.
 
@@ -40,6 +41,16 @@ def render_with(options: krender.RenderOptions) -> None:
     the product render's, so both builds keep their own cache entries)."""
     product = krender.render
     krender.render = kcompile.render = lambda v: product(v, options)
+
+
+def time_copy(nbytes: int, count: int) -> bench.Timing:
+    """One device-to-device copy moving ``nbytes`` (half read, half written), timed as the
+    variants are (``count`` buffer pairs rotated in one graph): the time the commit's bytes
+    take to stream at this size, launch, ramp and tail included."""
+    half = nbytes // 2
+    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(),
+              torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(count)]  # fmt: skip
+    return bench.time_graph([partial(dst.copy_, src) for src, dst in pairs])
 
 
 def main() -> None:
@@ -81,8 +92,9 @@ def main() -> None:
             peer_us = bench.time_graph([partial(c.commit, **s.step)
                                         for c, s in zip(contexts, sets, strict=True)]).median_us  # fmt: skip
         peer_text = "-" if peer_us is None else f"{peer_us:.2f}"
+        copy = time_copy(bench_model.commit_bytes(sets[0], True), count).median_us
         print(f"B={batch} sets={count} floor={floor:.2f} (no conv {floor_plain:.2f}) "
-              f"vllm={peer_text}")  # fmt: skip
+              f"copy of its bytes={copy:.2f} vllm={peer_text}")  # fmt: skip
         for t, name in rows[: args.top]:
             print(f"   {t.median_us:9.2f} us  {100 * floor / t.median_us:5.1f}% floor  "
                   f"spread {t.spread_pct:.1f}%  {name}")  # fmt: skip

@@ -180,14 +180,17 @@ def passed_in_tune(folder: Path, fingerprint: str) -> set[str]:
     tuner checks every candidate before timing it), in studies measured on the GPU
     ``fingerprint`` whose candidates still render to the kernels they checked and timed
     (``kdagen.studies.fresh_studies``)."""
-    from kdagen.search import recorded
+    from kdagen.evaluate import Ledger
     from kdagen.serve.variant import PATHS
     from kdagen.storage import folder_url, open_storage
     from kdagen.studies import fresh_studies, make_stamp
 
-    storage = open_storage(folder_url(folder))
-    studies = fresh_studies(storage, make_stamp(fingerprint, list(PATHS)))
-    return {name for study in studies for name, outcome in recorded(study).items() if outcome.ok}
+    ledger = Ledger()  # what the tuner itself counts as checked
+    for study in fresh_studies(
+        open_storage(folder_url(folder)), make_stamp(fingerprint, list(PATHS))
+    ):
+        ledger.add_study(study)
+    return ledger.checked
 
 
 def check_verdicts(paths: Iterable[Path]) -> dict[tuple[str, str], bool]:

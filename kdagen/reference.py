@@ -41,6 +41,7 @@ __all__ = [
     "fma_f32",
     "fold_accepted",
     "gate",
+    "in_pool",
     "l2_normalise",
     "request_layout",
     "silu_f32",
@@ -257,6 +258,12 @@ class Requests:
     slot: Tensor  # [B] int64
 
 
+def in_pool(slot: Tensor | int, null_slot: int, slot_count: int) -> Tensor | bool:
+    """Whether ``slot`` (an int, or a tensor elementwise) is one of the pool's slots and not the
+    null slot: every other slot, negative ones included, is a padding request's."""
+    return (slot > max(null_slot, -1)) & (slot < slot_count)
+
+
 def request_layout(
     query_start: Tensor,
     slots: Tensor,
@@ -282,7 +289,7 @@ def request_layout(
     if batch and qlen.max() > 0 and starts[1:][qlen > 0].max() > num_tokens:
         _fail("query_start", "token ends <=", num_tokens, starts.tolist())
     slot = slots.long()
-    valid = (slot > max(null_slot, -1)) & (slot < slot_count)  # every negative slot pads
+    valid = in_pool(slot, null_slot, slot_count)
     pos = torch.arange(window, device=slots.device)
     tokens = pos[None, :] < qlen[:, None]
     rows = bos[:, None] + torch.minimum(pos[None, :], (qlen - 1).clamp(min=0)[:, None])
@@ -487,9 +494,8 @@ def commit_plan(
     request; nothing is read there."""
     batch, device = slots.shape[0], slots.device
     source = slots.long()
-    in_pool = (source > max(null_slot, -1)) & (source < slot_count)  # every negative slot pads
     record = source if records_by_slot else torch.arange(batch, device=device)
-    source_ok = in_pool & (record < rows)
+    source_ok = in_pool(source, null_slot, slot_count) & (record < rows)
     owner = torch.arange(batch, device=device) if request_index is None else request_index.long()
     owner_ok = (owner >= 0) & (owner < accepted.shape[0])
     owner = torch.where(owner_ok, owner, 0)

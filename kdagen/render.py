@@ -56,7 +56,7 @@ SM90_POOL_GUARD = False
 
 def guards_pool(variant: Variant) -> bool:
     """Whether ``variant``'s kernel renders with the test of a slot past the pool."""
-    return variant.path != "sm90_wgmma" or SM90_POOL_GUARD
+    return not _sm90(variant) or SM90_POOL_GUARD
 
 
 # Measurement bounds (RenderOptions.bound): builds with wrong outputs that time one part of

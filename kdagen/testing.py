@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kdagen.reference import CONV_WIDTH, K, V
+from kdagen.reference import CONV_WIDTH, K, V, in_pool
 from kdagen.serve.contract import CommitArgs, VerifyArgs
 from kdagen.serve.variant import Variant
 
@@ -44,10 +44,10 @@ _BITS_VIEW: dict[torch.dtype, torch.dtype] = {
     torch.uint8: torch.uint8,
 }
 
-# Quiet NaNs with a payload arithmetic never makes (floats), a recognisable sentinel (ints).
 # Poisoned conv-state slots after the pool's in ``outside`` inputs (a slot past the pool is
 # at most num_slots + 2).
 GUARD_SLOTS = 4
+# Quiet NaNs with a payload arithmetic never makes (floats), a recognisable sentinel (ints).
 POISON_BITS: dict[torch.dtype, int] = {
     torch.bfloat16: 0x7FD5,
     torch.float16: 0x7ED5,
@@ -268,8 +268,8 @@ def _requests(inputs: dict[str, Any]) -> list[tuple[int, int, int, bool]]:
     """(bos, qlen, slot, live slot) per request, on the host."""
     starts = inputs["query_start"].tolist()
     slots = inputs["slots"].tolist()
-    lowest, count = max(inputs["null_slot"], -1), inputs["state"].shape[0]
-    return [(starts[b], starts[b + 1] - starts[b], s, lowest < s < count)
+    null, count = inputs["null_slot"], inputs["state"].shape[0]
+    return [(starts[b], starts[b + 1] - starts[b], s, in_pool(s, null, count))
             for b, s in enumerate(slots)]  # fmt: skip
 
 

@@ -71,6 +71,9 @@ def _plan_inputs(case: ModelCase, window: int, slot_count: int, gen: torch.Gener
     if case.vllm:
         perm = torch.randperm(owners, generator=gen)[:b].int()
         qlen = torch.randint(0, window + 1, (b,), generator=gen)
+        if case.align:  # the last request commits at least one token (see below)
+            qlen[-1] = qlen[-1].clamp(min=1)
+            accepted[perm[-1]] = accepted[perm[-1]].clamp(min=1)
         out["request_index"] = perm
         out["query_start"] = torch.cat([torch.zeros(1), qlen.cumsum(0)]).int()
     if case.align:
@@ -80,12 +83,17 @@ def _plan_inputs(case: ModelCase, window: int, slot_count: int, gen: torch.Gener
             table[owner_of[i]] = base[i].int() + torch.arange(per, dtype=torch.int32)
         block = 2 * window
         computed = torch.randint(0, block * (per - 1), (owners,), generator=gen, dtype=torch.int32)
+        # The last request's window ends on a block boundary: its final state goes to the
+        # block of its last token, which is also the crossed boundary's.
+        last, count = int(owner_of[-1]), min(int(accepted[owner_of[-1]]), int(qlen[-1]), window)
+        computed[last] = block * (1 + int(computed[last]) // block) - count
         source = table[owner_of, computed[owner_of].long() // block]
         out |= {"block_table": table, "num_computed": computed, "block_size": block}
     else:
         source = base.int()
     slots = source.clone()
     slots[torch.rand(b, generator=gen) < 0.2] = 0  # null slot: padding
+    slots[-1] = source[-1]  # the boundary request above stays live
     if case.outside:
         slots[0], slots[1] = -2, slot_count
         out["request_index"][2] = owners

@@ -508,7 +508,7 @@ def commit_plan(
         assert block_table is not None and num_computed is not None
         width = block_table.shape[1]
         done = num_computed.long()[owner]
-        last_block = ((done + count) // block_size).clamp(max=width - 1)
+        last_block = ((done + count - 1) // block_size).clamp(max=width - 1)  # the last token's
         table = block_table.long()[owner]  # [B, width]
         final = torch.where(
             last_block >= 0, table.gather(1, last_block.clamp(min=0)[:, None])[:, 0], null_slot

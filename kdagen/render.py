@@ -54,6 +54,14 @@ def _sm90(variant: Variant) -> bool:
 SM90_POOL_GUARD = False
 
 
+# With prefix caching the commit stores the final state to the block-table slot of the last
+# committed token (vLLM's rule, the reference's). The shipped H200 table measured kernels that
+# took the slot of the token after it, which differs when the window ends on a block boundary:
+# they store to the next block (or, where that entry is the null block, commit nothing). On
+# with the commit's next re-tune, which the rule for a stale table requires.
+COMMIT_LAST_TOKEN_BLOCK = False
+
+
 def guards_pool(variant: Variant) -> bool:
     """Whether ``variant``'s kernel renders with the test of a slot past the pool."""
     return not _sm90(variant) or SM90_POOL_GUARD
@@ -114,6 +122,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "trace_header": TRACE_HEADER,
         "bound": options.bound,
     }
+    if variant.kernel == "commit":
+        context["last_token_block"] = COMMIT_LAST_TOKEN_BLOCK
     if variant.kernel == "verify":
         context["pool_guard"] = guards_pool(variant)
         context["params"] = params(variant)  # the host call's signature

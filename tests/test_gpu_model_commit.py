@@ -13,6 +13,7 @@ import torch
 from gpu_marks import ANY_GPU
 
 from kdagen import reference
+from kdagen.render import COMMIT_LAST_TOKEN_BLOCK
 from kdagen.serve.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
 
 pytestmark = ANY_GPU
@@ -64,7 +65,14 @@ def restore(layers: list[SimpleNamespace], saved: list[list[torch.Tensor]]) -> N
             t.copy_(s)
 
 
-@pytest.mark.parametrize("align", [False, True])
+# Until kdagen.render.COMMIT_LAST_TOKEN_BLOCK is on, the kernels store the final state of a
+# window that ends on a block boundary to the next block, where vLLM stores it to the block of
+# its last token (this test's request 0 does that).
+NEXT_BLOCK = pytest.mark.xfail(not COMMIT_LAST_TOKEN_BLOCK, strict=True,
+                               reason="kdagen.render.COMMIT_LAST_TOKEN_BLOCK is off")  # fmt: skip
+
+
+@pytest.mark.parametrize("align", [False, pytest.param(True, marks=NEXT_BLOCK)])
 @pytest.mark.parametrize("dim_first", [False, True])
 def test_commit_context_matches_vllm(align: bool, dim_first: bool, monkeypatch) -> None:
     from kdagen.peers import vllm_commit
@@ -83,11 +91,18 @@ def test_commit_context_matches_vllm(align: bool, dim_first: bool, monkeypatch) 
     for i in range(batch):
         table[owner[i]] = 1 + i * per + torch.arange(per, dtype=torch.int32)
     computed = torch.randint(0, 16 * (per - 1), (batch + 2,), generator=gen, dtype=torch.int32)
-    source = table[owner, computed[owner].long() // 16] if align else 1 + torch.arange(batch) * per
     qlen = torch.randint(1, window + 1, (batch,), generator=gen)
+    accepted = torch.randint(0, window + 1, (batch + 2,), generator=gen, dtype=torch.int32)
+    # Request 0 commits at least one token and its window ends on a block boundary.
+    first = int(owner[0])
+    accepted[first] = accepted[first].clamp(min=1)
+    count = min(int(accepted[first]), int(qlen[0]))
+    computed[first] = 16 * (1 + int(computed[first]) // 16) - count
+    # The running state sits in the block of the last computed token (vLLM's align mode).
+    source = table[owner, (computed[owner].long() - 1).clamp(min=0) // 16] if align else (
+        1 + torch.arange(batch) * per)  # fmt: skip
     args = dict(
-        num_accepted_tokens=torch.randint(0, window + 1, (batch + 2,), generator=gen,
-                                          dtype=torch.int32).cuda(),
+        num_accepted_tokens=accepted.cuda(),
         state_indices=source.int().cuda(),
         query_start_loc=torch.cat([torch.zeros(1), qlen.cumsum(0)]).int().cuda(),
         request_indices=owner.int().cuda(),

@@ -160,7 +160,7 @@ def vllm_plan(
         final, boundary, crossing = slot, 0, 0
         if table is not None:
             done = computed[r]
-            final = table[r][min((done + count) // block_size, len(table[r]) - 1)]
+            final = table[r][min(max(done + count - 1, 0) // block_size, len(table[r]) - 1)]
             nxt = (done // block_size + 1) * block_size
             if done + count >= nxt:
                 boundary, crossing = table[r][nxt // block_size - 1], nxt - done
@@ -230,13 +230,16 @@ def test_speculative_loop_with_prefix_caching(dim_first: bool, lower_bound: floa
     history = {}  # (layer, request) -> last three accepted raw conv tokens
     for layer in range(layers):
         for r in range(batch):
-            slot = int(table[r, int(computed[r]) // block])
+            slot = int(table[r, (int(computed[r]) - 1) // block])
             truth[layer, r] = pools.states[layer][slot].double()
             history[layer, r] = [views[layer][slot, :, i].clone() for i in range(3)]
-    for _step in range(20):
+    on_boundary = 0  # windows that end on a block boundary (the final block is the last token's)
+    for step in range(20):
         qlens = torch.randint(1, window + 1, (batch,), generator=g)
         accepted = torch.minimum(torch.randint(1, window + 1, (batch,), generator=g), qlens)
-        sources = [int(table[r, int(computed[r]) // block]) for r in range(batch)]
+        if step == 0:
+            accepted[1] = 1  # 15 + 1: a window that ends on a block boundary
+        sources = [int(table[r, (int(computed[r]) - 1) // block]) for r in range(batch)]
         drafts, raws = {}, {}
         for layer in range(layers):
             for r in range(batch):
@@ -254,12 +257,20 @@ def test_speculative_loop_with_prefix_caching(dim_first: bool, lower_bound: floa
             query_start=query_start, block_table=table, num_computed=computed,
             block_size=block,
         )  # fmt: skip
+        before = [state.clone() for state in pools.states]
         reference.commit_layers(pools.states, pools.corrs, pools.kgs, pools.a_log,
                                 pools.dt_bias, plan, lower_bound=lower_bound,
                                 conv_states=views)  # fmt: skip
+        for layer in range(layers):  # only the final and the crossed boundaries' blocks change
+            changed = (pools.states[layer] != before[layer]).flatten(1).any(1).nonzero()
+            written = {int(table[r, (int(computed[r]) + int(accepted[r]) - 1) // block])
+                       for r in range(batch)}  # fmt: skip
+            written |= {int(table[r, int(computed[r]) // block]) for r in range(batch)}
+            assert set(changed.flatten().tolist()) <= written
         for r in range(batch):
             done, a = int(computed[r]), int(accepted[r])
-            final = int(table[r, (done + a) // block])
+            final = int(table[r, (done + a - 1) // block])  # the last accepted token's block
+            on_boundary += (done + a) % block == 0
             boundary_at = (done // block + 1) * block
             for layer in range(layers):
                 states = drafts[layer, r][0]
@@ -277,3 +288,4 @@ def test_speculative_loop_with_prefix_caching(dim_first: bool, lower_bound: floa
                 for i in range(3):
                     assert torch.equal(views[layer][final, :, i], history[layer, r][i])
         computed += accepted.int()
+    assert on_boundary > 0

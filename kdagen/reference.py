@@ -375,7 +375,13 @@ def verify(args: VerifyArgs, *, compute_dtype: torch.dtype = torch.float64) -> N
     buffers keep unrounded results. kg is always bf16 and must be bit-exact (k post-conv as
     bf16, then raw_g). conv weight dtype (bf16 or fp32 taps) is taken from conv_w.dtype;
     conv_dim_first selects the [slots, 3HK, Q+2] conv-state layout, else token-major
-    [slots, Q+2, 3HK]. The arguments pass the run-time's checks (``check_verify``)."""
+    [slots, Q+2, 3HK]. The arguments pass the run-time's checks (``check_verify``). With
+    ``args.parents`` the windows are token trees: ``kdagen.tree.verify_tree``."""
+    if args.parents is not None:
+        from kdagen.tree import verify_tree  # it builds on this module
+
+        verify_tree(args.with_(parents=None), args.parents, compute_dtype=compute_dtype)
+        return
     check_verify(args, op=VERIFY_OP, require_cuda=False, float_results=True)
     qkv, raw_g, a_log, state = args.qkv, args.raw_g, args.a_log, args.state
     conv_state = args.conv_state

@@ -131,6 +131,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["stages"] = variant.stages
         context["pdl"] = variant.pdl
         context["conv"] = variant.conv
+        context["tree"] = variant.tree
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context

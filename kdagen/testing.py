@@ -143,6 +143,7 @@ def make_verify_inputs(
     out_dtype: torch.dtype = torch.bfloat16,
     corr_dtype: torch.dtype = torch.float32,
     lower_bound: float | None = -5.0,
+    tree: bool = False,
 ) -> dict[str, Any]:
     """Random, realistic inputs for one verify launch (then commit), outputs poisoned.
 
@@ -160,6 +161,8 @@ def make_verify_inputs(
     - With ``outside`` the first request's slot lies past the pool and the last one's is -3
       (above a null slot below it): both pad. With conv, ``conv_guard`` then holds poisoned
       slots right after the conv state's, where a kernel that took the first slot would write.
+    - With ``tree`` each window is a random token tree: ``parents`` [T] int32 holds -1 at a
+      window's first token and a random earlier position elsewhere (else ``parents`` is None).
     """
     gen = _generator(seed)
     null = _padding_requests(B, nulls, gen)
@@ -206,6 +209,7 @@ def make_verify_inputs(
         "null_slot": null_slot,
         "conv_dim_first": conv_dim_first,
         "qlen": qlen,
+        "parents": random_parents(qlen, gen) if tree else None,
     }
     guard = GUARD_SLOTS if outside else 0
     if conv:
@@ -222,6 +226,14 @@ def make_verify_inputs(
     return inputs
 
 
+def random_parents(qlen: list[int], gen: torch.Generator, chain: bool = False) -> Tensor:
+    """``parents [T]`` int32: per window -1 at its first token, then each token's parent a
+    random earlier one (with ``chain`` the one before it)."""
+    rows = [-1 if t == 0 else t - 1 if chain else int(torch.randint(0, t, (1,), generator=gen))
+            for n in qlen for t in range(n)]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int32)
+
+
 def lower_bound_for(gate: str) -> float | None:
     """The test inputs' ``lower_bound`` for a gate: Kimi-K3's -5 (``kda``), or None
     (Kimi-Linear's ``softplus``)."""
@@ -232,6 +244,7 @@ def verify_inputs_for(variant: Variant, batch: int, **options: Any) -> dict[str,
     """``make_verify_inputs`` for a verify variant's contract (H, Q, gate, conv layout and tap
     dtype, slot dtype); ``options`` go through (seed, device, ragged, nulls, ...)."""
     options.setdefault("lower_bound", lower_bound_for(variant.gate))
+    options.setdefault("tree", variant.tree)
     return make_verify_inputs(
         batch, variant.heads, variant.window, conv=variant.conv,
         conv_dim_first=variant.conv_layout == "dim_first",

@@ -183,7 +183,7 @@ def check_tree_verify(args: VerifyArgs, parents: Tensor, op: str = VERIFY_TREE_O
     gate at the real window here, the rest by ``check_verify`` on window-1 stand-ins (shared
     with the tree emulation, whose ``op`` the messages name)."""
     window, corr, kg = _check_records(op, args.corr, args.kg)
-    stand_in = args.with_(corr=corr, kg=kg, lower_bound=None,
+    stand_in = args.with_(corr=corr, kg=kg, lower_bound=None, parents=None,
                           conv_state=_conv_stand_in(args, window))  # fmt: skip
     check_verify(stand_in, op=op, require_cuda=False, float_results=True)
     gate_of(op, args.lower_bound)  # fp64 needs no window bound; the docs say what kernels need

@@ -12,12 +12,19 @@ from typing import Any
 import pytest
 import torch
 from test_emulate import _inputs
-from test_tree import random_parents
 from torch import Tensor
 
 from kdagen import emulate, emulate_tree, tree
 from kdagen.serve.validate import KdaInputError
-from kdagen.testing import bits, clone_inputs, is_poisoned, poison_, verify_args, verify_write_masks
+from kdagen.testing import (
+    bits,
+    clone_inputs,
+    is_poisoned,
+    poison_,
+    random_parents,
+    verify_args,
+    verify_write_masks,
+)
 
 F64 = torch.float64
 # Issue 31's targets for kernels against fp64 (rel L2 over the written elements), plus the GPU

@@ -16,25 +16,19 @@ from torch import Tensor
 
 from kdagen import reference, tree
 from kdagen.serve.validate import KdaInputError
-from kdagen.testing import clone_inputs, commit_args, make_verify_inputs, verify_args
+from kdagen.testing import (
+    clone_inputs,
+    commit_args,
+    make_verify_inputs,
+    random_parents,
+    verify_args,
+)
 
 K = 128
 F64 = torch.float64
 
 
 # --------------------------------------------------------------------------- random trees
-
-
-def random_parents(qlen: list[int], gen: torch.Generator, chain: bool = False) -> Tensor:
-    """``parents [T]`` int32: per request -1 first, then a random earlier position."""
-    rows: list[int] = []
-    for n in qlen:
-        for t in range(n):
-            if t == 0:
-                rows.append(-1)
-            else:
-                rows.append(t - 1 if chain else int(torch.randint(0, t, (1,), generator=gen)))
-    return torch.tensor(rows, dtype=torch.int32)
 
 
 def request_parents(parents: Tensor, bos: int, qlen: int) -> list[int]:

@@ -93,6 +93,8 @@ def verify_params(variant: Variant) -> tuple[Param, ...]:
         Param("out", "ptr", "bf16", 16),
         Param("query_start", "ptr", "int32", 4),
         Param("slots", "ptr", variant.slot_dtype, 4),
+        # [T] int32: each token's parent position in its window (-1: the root)
+        *((Param("parents", "ptr", "int32", 4),) if variant.tree else ()),
         *conv,
         Param("counter", "ptr", "int32", 4),
         Param("tokens", "i32"),

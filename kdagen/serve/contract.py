@@ -55,6 +55,7 @@ class VerifyArgs:
     conv_w: torch.Tensor | None = None
     accepted: torch.Tensor | None = None
     conv_dim_first: bool = False
+    parents: torch.Tensor | None = None  # [T] int32: the window is a token tree
 
     @classmethod
     def from_qkv(cls, qkv: torch.Tensor, *args: Any, **kwargs: Any) -> VerifyArgs:
@@ -264,4 +265,23 @@ def check_verify(
     conv = _check_conv(op, args, heads=heads, window=window, batch=batch, device=device)
     fields = {"heads": heads, "window": window, "slot_dtype": _dtype_name(args.slots.dtype),
               "gate": gate, **conv}  # fmt: skip
+    if args.parents is not None:
+        fields["tree"] = _check_parents(op, args, tokens, device, fields)
     return Checked(fields, batch, act_stride)
+
+
+def _check_parents(
+    op: str, args: VerifyArgs, tokens: int, device: torch.device, fields: dict[str, Any]
+) -> bool:
+    """A token tree's ``parents`` [T] int32 (each token's parent position in its window, -1
+    at the root; the kernels treat any other value that is not an earlier position as -1):
+    the tree kernels take Kimi-K3's gate without conv, windows of 2 to 8 tokens."""
+    check_tensor(op, "parents", args.parents, dims=[tokens], dtypes=[torch.int32],
+                 device=device)  # fmt: skip
+    if fields["conv"] or fields["gate"] != "kda" or fields["window"] < 2:
+        raise KdaInputError(
+            f"{op}: `parents` (a token tree) needs the bounded gate (lower_bound), no conv "
+            f"tensors and a window (corr.shape[2]) of 2 to 8; got gate {fields['gate']!r}, "
+            f"conv {fields['conv']}, window {fields['window']}"
+        )
+    return True

@@ -198,9 +198,9 @@ def heuristic_variant(
     gate = contract.get("gate", "kda")
     if kernel == "commit":
         return default_commit_variant(heads, window, slot_dtype, batch, gate)
-    conv = {k: contract[k] for k in ("conv", "conv_layout", "conv_weight_dtype") if k in contract}
+    fields = ("conv", "conv_layout", "conv_weight_dtype", "tree")
     return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, sms=sms,
-                                  gate=gate, **conv)  # fmt: skip
+                                  gate=gate, **{k: contract[k] for k in fields if k in contract})  # fmt: skip
 
 
 def _resolve_variant(
@@ -251,6 +251,7 @@ def default_verify_variant(
     arch: str | None = None,
     sms: int | None = None,
     gate: str = "kda",
+    tree: bool = False,
 ) -> Variant:
     """Built-in heuristic until a dispatch table is present: the arch's path, every SM's
     resident CTAs, and (without conv) two CTAs per item while items alone leave SMs idle.
@@ -259,13 +260,14 @@ def default_verify_variant(
     contract = {
         "kernel": "verify", "heads": heads, "window": window, "slot_dtype": slot_dtype,
         "conv": conv, "conv_layout": conv_layout, "conv_weight_dtype": conv_weight_dtype,
-        "gate": gate,
+        "gate": gate, "tree": tree,
     }  # fmt: skip
     if arch == "sm_100a":
         return Variant(**contract, path="sm100_tcgen05", ctas=740)
     sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     split = 2 if not conv and batch * heads < 2 * sms else 1
-    resident = _SM90_RESIDENT[conv or (gate == "softplus" and window > 4)]
+    # A tree kernel takes 166-168 registers at Q = 8: 3 resident CTAs (4 spill when split).
+    resident = _SM90_RESIDENT[conv or tree or (gate == "softplus" and window > 4)]
     return Variant(**contract, path="sm90_wgmma", row_split=split, ctas=resident * sms, stages=1)
 
 
@@ -340,6 +342,7 @@ def verify(
     conv_w: torch.Tensor | None = None,
     accepted: torch.Tensor | None = None,
     conv_dim_first: bool = False,
+    parents: torch.Tensor | None = None,
     counter: torch.Tensor | None = None,
     variant: Variant | str | None = None,
 ) -> None:
@@ -353,12 +356,14 @@ def verify(
     [slots, Q+2, 3*H*128] (or [slots, 3*H*128, Q+2] with ``conv_dim_first``) bf16, rolled in
     place; conv_w [3*H*128, 4] bf16 or fp32; accepted [B] int32. Window lengths must be
     <= Q and live slots unique (not checked: that would synchronise). ``lower_bound``:
-    Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate.
+    Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate. ``parents`` [T] int32:
+    each window is a token tree, token t's parent at window position ``parents[t]`` (-1:
+    the root; docs/tree-semantics.md); Hopper, the bounded gate, no conv.
     Launches on the current stream; no allocation, no synchronisation.
     """
     args = VerifyArgs.from_qkv(
         qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg,
-        lower_bound, null_slot, conv_state, conv_w, accepted, conv_dim_first,
+        lower_bound, null_slot, conv_state, conv_w, accepted, conv_dim_first, parents,
     )  # fmt: skip
     run_verify(args, counter=counter, variant=variant)
 

@@ -23,6 +23,7 @@ CONTRACT_FIELDS = (
     "slot_dtype",
     "state_dtype",
     "gate",
+    "tree",
 )
 TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "stages", "pdl")
 
@@ -37,6 +38,8 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     # kda: Kimi-K3's bounded gate, lower_bound * sigmoid(...); softplus: Kimi-Linear's
     # unbounded -exp(a_log) * softplus(...) (the run-time's lower_bound=None).
     "gate": ("kda", "softplus"),
+    # a window may be a token tree (``parents``): each node's output along its root path
+    "tree": (False, True),
     "threads": (32, 64, 128, 256, 512),
     "vec": (4, 8),  # a state row then spans 32 or 16 threads (within a warp)
     "row_split": (1, 2, 4, 8),
@@ -117,6 +120,7 @@ class Variant:
     slot_dtype: str = "int32"
     state_dtype: str = "bf16"
     gate: str = "kda"
+    tree: bool = False
     # ---- tuning ----
     path: str = ""  # "": the kernel's first path in PATHS
     threads: int = 128
@@ -159,6 +163,8 @@ class Variant:
         parts = [self.kernel, f"h{self.heads}", f"q{self.window}"]
         if self.gate != "kda":
             parts.append(self.gate)
+        if self.tree:
+            parts.append("tree")
         if self.conv:
             parts += ["conv", _SHORT[self.conv_layout], self.conv_weight_dtype]
         parts.append(_SHORT[self.slot_dtype])
@@ -177,10 +183,12 @@ class Variant:
     @property
     def contract_summary(self) -> str:
         """The contract fields that mean something for this kernel (conv settings only with
-        conv, and never for commit, which does not read the conv state)."""
+        conv, and never for commit, which does not read the conv state; tree only when set)."""
         unused = {"kernel"} | ({"conv"} if self.kernel == "commit" else set())
         if not self.conv:
             unused |= {"conv_layout", "conv_weight_dtype"}
+        if not self.tree:
+            unused |= {"tree"}
         return ", ".join(f"{k}={v}" for k, v in self.contract.items() if k not in unused)
 
     @property
@@ -237,7 +245,7 @@ def parse_contract_key(key: str) -> dict[str, Any]:
             raise ValueError(f"unexpected {'-'.join(tokens)!r} after the slot dtype")
     except IndexError:
         raise VariantError(
-            f"contract key {key!r} ends early: expected kernel-hH-qQ[-softplus][-conv-LAYOUT-TAPS]-SLOTS, "
+            f"contract key {key!r} ends early: expected kernel-hH-qQ[-softplus][-tree][-conv-LAYOUT-TAPS]-SLOTS, "
             "e.g. 'verify-h12-q8-i32' or 'verify-h12-q8-conv-tm-bf16-i32'"
         ) from None
     except (KeyError, ValueError) as err:
@@ -255,6 +263,8 @@ def _pop_contract(tokens: list[str]) -> dict[str, Any]:
     values["window"] = int(_strip(tokens.pop(0), "q"))
     if tokens and tokens[0] == "softplus":
         values["gate"] = tokens.pop(0)
+    if tokens and tokens[0] == "tree":
+        values["tree"] = tokens.pop(0) == "tree"
     if tokens and tokens[0] == "conv":
         tokens.pop(0)
         values["conv"] = True
@@ -299,6 +309,11 @@ def _check_path_rules(v: Variant) -> None:
             "conv=True is not allowed for kernel 'commit': the conv state is rolled by verify, "
             "commit never reads it; allowed values: [False]"
         )
+    if v.tree and (v.kernel != "verify" or v.path != "sm90_wgmma"):
+        raise VariantError(
+            f"tree=True is not allowed for kernel {v.kernel!r}, path {v.path!r}: token trees "
+            "are verified by the sm90_wgmma verify only; allowed values: [False]"
+        )
     if v.kernel == "commit":
         _check_commit_rules(v)
     if v.path == "sm90_wgmma":
@@ -341,4 +356,10 @@ def _check_sm90_verify_rules(v: Variant) -> None:
         raise VariantError(
             f"row_split={v.row_split} is not allowed with conv=True: every CTA of a split item "
             "would read the conv history that another CTA rolls in place; allowed values: [1]"
+        )
+    if v.tree and (v.threads != 128 or v.conv or v.gate != "kda" or v.window < 2):
+        raise VariantError(
+            f"tree=True needs threads=128 (the one-warpgroup kernel), conv=False, gate='kda' "
+            f"and window >= 2; got threads={v.threads}, conv={v.conv}, gate={v.gate!r}, "
+            f"window={v.window}"
         )

@@ -1,0 +1,104 @@
+"""The Hopper tree verify (issue 31), checked on the CPU: its variants and their rules, the
+run-time's checks of ``parents``, the built-in choice, renders that leave the chain kernels
+alone, and GPU-less compiles without spills. ``kdagen check --space verify_tree_sm90.yaml``
+runs them against the tree reference on a GPU (not run yet: docs/history/trees.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdagen import compile as kcompile
+from kdagen.render import render
+from kdagen.serve.contract import check_verify
+from kdagen.serve.runtime import default_verify_variant
+from kdagen.serve.validate import KdaInputError
+from kdagen.serve.variant import Variant, VariantError
+from kdagen.space import Space
+from kdagen.testing import make_verify_inputs, verify_args
+
+TREE = Space.load("verify_tree_sm90.yaml").expand().variants
+SM_SHARED, REGISTERS = 232448, 65536  # per H200 SM
+COMPILED = [  # the window's extremes, both splits, both stage counts, both grid bounds
+    "verify-h12-q8-tree-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+    "verify-h12-q8-tree-i32-sm90_wgmma-t128-r1-c528-s2-pdl",
+    "verify-h32-q4-tree-i32-sm90_wgmma-t128-r2-c528-s1-pdl",
+    "verify-h96-q3-tree-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
+]
+
+
+def test_names_parse_back_and_the_space_is_one_warpgroup_bounded_gate_without_conv() -> None:
+    assert len(TREE) == 99 and set(COMPILED) <= {v.name for v in TREE}
+    for v in TREE:
+        assert Variant.parse(v.name) == v and "-tree-" in v.contract_key
+        assert (v.threads, v.conv, v.gate) == (128, False, "kda") and v.window >= 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"threads": 256, "ctas": 264}, "tree=True needs threads=128"),
+        ({"gate": "softplus"}, "tree=True needs threads=128"),
+        ({"conv": True}, "tree=True needs threads=128"),
+        ({"window": 1}, "tree=True needs threads=128"),
+    ],
+)
+def test_tree_rules(fields: dict, message: str) -> None:
+    base = dict(kernel="verify", heads=12, window=8, tree=True, path="sm90_wgmma", ctas=396)
+    with pytest.raises(VariantError, match=message):
+        Variant(**(base | fields))
+    with pytest.raises(VariantError, match="tree=True is not allowed for kernel 'commit'"):
+        Variant(kernel="commit", heads=12, window=8, tree=True)
+
+
+def test_chain_renders_carry_no_tree_code() -> None:
+    chain = render(Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl"))
+    tree = render(Variant.parse(COMPILED[0]))
+    assert "parents" not in chain and "ancestors" not in chain and "tree" not in chain
+    assert "parents_ptr: cute.Pointer" in tree and "ancestors[t] = ancestors[i]" in tree
+    assert "(ancestors[t] >> i) & 1 == 0" in tree
+
+
+def test_tree_kernels_compile_without_spills(cache: Path) -> None:
+    records = kcompile.compile_many([Variant.parse(n) for n in COMPILED], ["sm_90a"], jobs=2,
+                                    root=cache)  # fmt: skip
+    assert [r.variant for r in records if r.ok] == COMPILED, [r.error for r in records]
+    for r in records:
+        v = Variant.parse(r.variant)
+        assert r.frame_bytes == 0, r.variant
+        resident = min(REGISTERS // (128 * r.registers), SM_SHARED // (r.smem_bytes + 1024))
+        assert resident >= (v.ctas // 132 if v.stages == 1 else 2), (r.variant, resident)
+
+
+def _tree_args(**changes: object):
+    inputs = make_verify_inputs(5, 2, 4, seed=3, tree=True)
+    return verify_args(inputs).with_(**changes), inputs
+
+
+def test_parents_select_the_tree_contract() -> None:
+    args, inputs = _tree_args()
+    assert inputs["parents"].shape == (int(inputs["query_start"][-1]),)
+    checked = check_verify(args, require_cuda=False)
+    assert checked.fields["tree"] is True
+    chosen = default_verify_variant(2, 4, "int32", 5, arch="sm_90a", sms=132,
+                                    **{k: v for k, v in checked.fields.items()
+                                       if k not in ("heads", "window", "slot_dtype")})  # fmt: skip
+    assert chosen.tree and chosen.threads == 128 and chosen.ctas == 396
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"parents": torch.zeros(3, dtype=torch.int32)}, "`parents`"),
+        ({"parents": "int64"}, "`parents`"),
+        ({"lower_bound": None}, "needs the bounded gate"),
+    ],
+)
+def test_bad_parents_are_refused(changes: dict, message: str) -> None:
+    args, inputs = _tree_args()
+    if changes.get("parents") == "int64":
+        changes = {"parents": inputs["parents"].long()}
+    with pytest.raises(KdaInputError, match=message):
+        check_verify(args.with_(**changes), require_cuda=False)

@@ -9,15 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_tree import random_paths
 
 from kdagen import compile as kcompile
+from kdagen import reference, tree
 from kdagen.render import render
 from kdagen.serve.contract import check_verify
-from kdagen.serve.runtime import default_verify_variant
+from kdagen.serve.runtime import default_verify_variant, path_records
 from kdagen.serve.validate import KdaInputError
 from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import Space
-from kdagen.testing import make_verify_inputs, verify_args
+from kdagen.testing import clone_inputs, commit_args, make_verify_inputs, verify_args
 
 TREE = Space.load("verify_tree_sm90.yaml").expand().variants
 SM_SHARED, REGISTERS = 232448, 65536  # per H200 SM
@@ -102,3 +104,26 @@ def test_bad_parents_are_refused(changes: dict, message: str) -> None:
         changes = {"parents": inputs["parents"].long()}
     with pytest.raises(KdaInputError, match=message):
         check_verify(args.with_(**changes), require_cuda=False)
+
+
+def test_a_path_commit_is_the_chain_commit_of_the_path_records() -> None:
+    """``kdagen.commit(path=)`` folds the path's records moved to positions 0.. by the chain
+    kernels: on the fp64 reference, that equals the tree reference's path commit."""
+    f64 = torch.float64
+    inp = make_verify_inputs(6, 2, 6, seed=5, tree=True, state_dtype=f64, out_dtype=f64,
+                             corr_dtype=f64)  # fmt: skip
+    reference.verify(verify_args(inp))  # a tree: the tree reference writes the records
+    path, accepted = random_paths(inp, inp["parents"], torch.Generator().manual_seed(5))
+    assert (accepted > 1).any() and (path[:, 1:] > torch.arange(1, 6)).any()  # real branches
+    by_tree, by_chain = clone_inputs(inp), clone_inputs(inp)
+    tree.commit_path(commit_args(by_tree, accepted), path)
+    reference.commit(path_records(commit_args(by_chain, accepted), path))
+    assert torch.allclose(by_chain["state"], by_tree["state"], rtol=1e-12, atol=1e-12)
+    assert not torch.equal(by_tree["state"], inp["state"])
+
+
+def test_a_path_must_be_int32_b_by_q() -> None:
+    inp = make_verify_inputs(3, 1, 4, seed=1)
+    args = commit_args(inp, torch.ones(3, dtype=torch.int32))
+    with pytest.raises(KdaInputError, match="`path`"):
+        path_records(args, torch.zeros(3, 3, dtype=torch.int32))

@@ -88,6 +88,7 @@ def commit(
     *,
     lower_bound: float | None = -5.0,
     null_slot: int = 0,
+    path: torch.Tensor | None = None,
     variant: Variant | str | None = None,
 ) -> None:
     """Fold each request's accepted prefix into ``state`` in place (see the semantics page).
@@ -98,16 +99,40 @@ def commit(
     (clamped to 0..Q); ``lower_bound``: Kimi-K3's gate bound, or None for Kimi-Linear's
     softplus gate. One layer; ``kdagen.ModelCommit`` folds every layer of a model in one
     launch. Launches on the current stream; no allocation, no synchronisation.
+    After a token-tree verify, ``path`` [B, Q] int32 lists each request's accepted nodes root
+    first (docs/tree-semantics.md): they are folded in that order (``path_records``; this
+    allocates the two record copies).
     """
     args = CommitArgs(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound, null_slot)
-    run_commit(args, variant=variant)
+    run_commit(args, path=path, variant=variant)
 
 
-def run_commit(args: CommitArgs, *, variant: Variant | str | None = None) -> None:
-    """``commit`` on its arguments as one ``CommitArgs``."""
+def path_records(args: CommitArgs, path: torch.Tensor, op: str = "kdagen.commit") -> CommitArgs:
+    """``args`` with records that hold each request's accepted tree path as a chain: request
+    b's records at positions ``path[b, j]`` moved to positions j, in copies (the commit kernels
+    fold positions 0 .. accepted - 1 in order). Entries are clamped into the window, so no
+    path reads outside request b's records row; positions from ``accepted[b]`` on are unused."""
+    batch, heads, window = args.slots.shape[0], args.corr.shape[1], args.corr.shape[2]
+    check_tensor(op, "path", path, dims=[batch, window], dtypes=[torch.int32],
+                 device=args.state.device)  # fmt: skip
+    at = path.long().clamp(0, window - 1)[:, None, :, None]
+    corr = args.corr[:batch].gather(2, at.expand(batch, heads, window, args.corr.shape[3]))
+    kg = args.kg[:batch].gather(2, at.expand(batch, heads, window, args.kg.shape[3]))
+    return args.with_(corr=corr, kg=kg)
+
+
+def run_commit(
+    args: CommitArgs,
+    *,
+    path: torch.Tensor | None = None,
+    variant: Variant | str | None = None,
+) -> None:
+    """``commit`` on its arguments as one ``CommitArgs`` (``path``: see ``commit``)."""
     launch = validate_commit(args, variant=variant)
     if launch.batch == 0:
         return
+    if path is not None:
+        args = path_records(args, path)
     state, corr, kg = args.state, args.corr, args.kg
     launch_commit(
         launch.variant, state=state, corr=corr, kg=kg, a_log=args.a_log, dt_bias=args.dt_bias,

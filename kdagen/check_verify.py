@@ -24,6 +24,7 @@ from kdagen.serve.variant import Variant
 from kdagen.testing import (
     bits,
     clone_inputs,
+    random_parents,
     verify_args,
     verify_inputs_for,
     verify_write_masks,
@@ -54,6 +55,9 @@ class VerifyCase:
     # (std, mean) of raw_g instead of N(0, 1): with the softplus gate, per-channel log decays
     # from ~0 to a few hundred a token, which forget the state inside the window.
     gate_logits: tuple[float, float] | None = None
+    # A tree variant's windows: "random" trees, a "chain" given as a tree, or a "star" (every
+    # token a child of the first).
+    shape: str = "random"
 
 
 VERIFY_CASES = (
@@ -74,6 +78,11 @@ OUTSIDE_CASES = (
     VerifyCase("outside-pool", 12, outside=True),
     VerifyCase("null-below-pool", 12, null_slot=-4, outside=True),
 )
+# A tree variant's extra cases (its other cases run on random trees).
+TREE_CASES = (
+    VerifyCase("tree-chain", 24, shape="chain"),
+    VerifyCase("tree-star", 24, shape="star"),
+)
 MANY_UNITS = 3600
 
 
@@ -82,6 +91,7 @@ def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
         VERIFY_CASES
         + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
         + (OUTSIDE_CASES if guards_pool(variant) else ())
+        + (TREE_CASES if variant.tree else ())
     )
 
 
@@ -142,6 +152,10 @@ def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]
         raw_g = inputs["raw_g"]
         drawn = torch.randn(raw_g.shape, generator=gen, device="cuda") * std + mean
         raw_g.copy_(drawn.to(raw_g.dtype))
+    if case.shape != "random" and inputs["parents"] is not None:
+        chain = random_parents(inputs["qlen"], torch.Generator(), chain=True)
+        shaped = chain if case.shape == "chain" else chain.clamp(max=0)  # star: -1, 0, 0, ...
+        inputs["parents"].copy_(shaped)
     return inputs
 
 

@@ -13,6 +13,7 @@ from test_tree import random_paths
 
 from kdagen import compile as kcompile
 from kdagen import reference, tree
+from kdagen.check_verify import cases_for
 from kdagen.render import render
 from kdagen.serve.contract import check_verify
 from kdagen.serve.runtime import default_verify_variant, path_records
@@ -127,3 +128,10 @@ def test_a_path_must_be_int32_b_by_q() -> None:
     args = commit_args(inp, torch.ones(3, dtype=torch.int32))
     with pytest.raises(KdaInputError, match="`path`"):
         path_records(args, torch.zeros(3, 3, dtype=torch.int32))
+
+
+def test_the_check_runs_a_chain_and_a_star_on_tree_variants_only() -> None:
+    names = [c.name for c in cases_for(Variant.parse(COMPILED[0]))]
+    assert {"tree-chain", "tree-star", "random", "single"} <= set(names)
+    chain = Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl")
+    assert not {c.name for c in cases_for(chain)} & {"tree-chain", "tree-star"}

@@ -3,8 +3,9 @@
 ``torch.compile`` (fullgraph) and CUDA-graph capture see each launch as one opaque op with
 exact mutations, and fake implementations give its (empty) outputs without a GPU:
 
-- ``kdagen::verify``: mutates ``out``, ``corr``, ``kg`` and ``conv_state``;
-- ``kdagen::commit``: mutates ``state``;
+- ``kdagen::verify``: mutates ``out``, ``corr``, ``kg`` and ``conv_state`` (``parents``: a
+  token tree, as ``kdagen.verify`` takes it);
+- ``kdagen::commit``: mutates ``state`` (``path``: an accepted tree path);
 - ``kdagen::commit_layers``: one ``ModelCommit``'s launch (by the handle ``register``
   returns), mutates its layers' ``states`` and ``conv_states``.
 
@@ -63,12 +64,14 @@ def _verify(
     lower_bound: float | None,
     null_slot: int,
     conv_dim_first: bool,
+    parents: Tensor | None = None,
 ) -> None:
     from .runtime import verify
 
     verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg,
            lower_bound=lower_bound, null_slot=int(null_slot), conv_state=conv_state,
-           conv_w=conv_w, accepted=accepted, conv_dim_first=bool(conv_dim_first))  # fmt: skip
+           conv_w=conv_w, accepted=accepted, conv_dim_first=bool(conv_dim_first),
+           parents=parents)  # fmt: skip
 
 
 def _commit(
@@ -81,11 +84,12 @@ def _commit(
     accepted: Tensor,
     lower_bound: float | None,
     null_slot: int,
+    path: Tensor | None = None,
 ) -> None:
     from .runtime import commit
 
     commit(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound=lower_bound,
-           null_slot=int(null_slot))  # fmt: skip
+           null_slot=int(null_slot), path=path)  # fmt: skip
 
 
 def _commit_layers(

@@ -31,6 +31,7 @@ class CommitCase:
     # (std, mean) of the recorded raw gates instead of N(0, 1.5^2): with the softplus gate,
     # per-channel log decays from ~0 to a few hundred a token, which forget the state.
     gate_logits: tuple[float, float] | None = None
+    tree: bool = False  # the accepted tokens as a token tree's path (``along_a_path``)
 
 
 CHECK_CASES = (
@@ -42,6 +43,7 @@ CHECK_CASES = (
     CommitCase("outside-pool", 12, outside=True),
     # a null slot below -1: slot -3 (outside) lies between it and 0, and must pad too
     CommitCase("null-below-pool", 12, null_fraction=0.25, null_slot=-4, outside=True),
+    CommitCase("tree-path", 24, null_fraction=0.2, tree=True),
 )
 # The softplus gate's extra cases: log decays far beyond the bounded gate's (-1000 and less
 # over a window), and every token forgetting everything before it.
@@ -105,6 +107,31 @@ def make_commit_inputs(
         state, corr, kg, rand(heads) * 2 - 1, randn(heads * K, std=0.5), slots, accepted,
         lower_bound, case.null_slot,
     )  # fmt: skip
+
+
+def along_a_path(args: CommitArgs, seed: int) -> tuple[CommitArgs, torch.Tensor]:
+    """The commit of ``args`` as a token tree's: request b's records rows 0 .. a - 1 moved to
+    the increasing positions ``path[b, :a]`` of a random root path (``path[b, 0] = 0``) in
+    copies whose other positions are NaN (never read), and ``path`` [B, Q] int32 (0 past a).
+    Folding the path must give ``args``' chain commit."""
+    batch, window = args.slots.shape[0], args.corr.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    counts = args.accepted.clamp(0, window).tolist()
+    path = torch.zeros(batch, window, dtype=torch.int32)
+    for b, n in enumerate(counts):
+        if n > 1:
+            path[b, 1:n] = (
+                torch.randperm(window - 1, generator=gen)[: n - 1].sort().values + 1
+            ).int()
+    corr, kg = torch.full_like(args.corr, float("nan")), torch.full_like(args.kg, float("nan"))
+    done = torch.tensor(counts)
+    for j in range(window):
+        rows = (done > j).nonzero().flatten()
+        at = path[rows, j].long()
+        rows, at = rows.to(corr.device), at.to(corr.device)
+        corr[rows, :, at] = args.corr[rows, :, j]
+        kg[rows, :, at] = args.kg[rows, :, j]
+    return args.with_(corr=corr, kg=kg), path.to(args.slots.device)
 
 
 def pool_of(state: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 
 from kdagen import first_use, reference
-from kdagen.cases import CHECK_CASES, SOFTPLUS_CASES, CommitCase, make_commit_inputs, pool_of
+from kdagen.cases import (
+    CHECK_CASES,
+    SOFTPLUS_CASES,
+    CommitCase,
+    along_a_path,
+    make_commit_inputs,
+    pool_of,
+)
 from kdagen.serve.contract import CommitArgs
 from kdagen.serve.variant import Variant
 from kdagen.testing import lower_bound_for
@@ -85,12 +92,13 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
     reference.commit(args.with_(state=expected), compute_dtype=torch.float64)
 
     result = CaseResult(variant.name, case.name, 0.0, 0.0, 0.0, True, True)
+    launched, path = along_a_path(args, seed) if case.tree else (args, None)
     try:
-        run_commit(args, variant=variant)
+        run_commit(launched, path=path, variant=variant)
         torch.cuda.synchronize()
         first = pool_of(state).clone()
         pool_of(state).copy_(before)  # again from the same start: bit-identical?
-        run_commit(args, variant=variant)
+        run_commit(launched, path=path, variant=variant)
         torch.cuda.synchronize()
     except Exception as err:  # a launch error is a failed check, not a crash of the run
         result.error = f"{type(err).__name__}: {err}"[:300]

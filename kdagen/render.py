@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jinja2
 
-from kdagen.serve.abi import params
+from kdagen.serve.abi import COMMIT_TREE_PATH, params
 from kdagen.serve.fingerprint import dsl_version
 from kdagen.serve.resources import data_dir
 from kdagen.serve.variant import Variant
@@ -124,6 +124,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     }
     if variant.kernel == "commit":
         context["last_token_block"] = COMMIT_LAST_TOKEN_BLOCK
+        context["tree_path"] = COMMIT_TREE_PATH
     if variant.kernel == "verify":
         context["pool_guard"] = guards_pool(variant)
         context["params"] = params(variant)  # the host call's signature

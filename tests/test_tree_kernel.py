@@ -13,8 +13,10 @@ from test_tree import random_paths
 
 from kdagen import compile as kcompile
 from kdagen import reference, tree
+from kdagen.cases import CHECK_CASES, along_a_path, make_commit_inputs
 from kdagen.check_verify import cases_for
 from kdagen.render import render
+from kdagen.serve.abi import COMMIT_TREE_PATH
 from kdagen.serve.contract import check_verify
 from kdagen.serve.runtime import default_verify_variant, path_records
 from kdagen.serve.validate import KdaInputError
@@ -135,3 +137,31 @@ def test_the_check_runs_a_chain_and_a_star_on_tree_variants_only() -> None:
     assert {"tree-chain", "tree-star", "random", "single"} <= set(names)
     chain = Variant.parse("verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl")
     assert not {c.name for c in cases_for(chain)} & {"tree-chain", "tree-star"}
+
+
+def test_the_checks_tree_path_case_is_its_chain_commit() -> None:
+    """``kdagen check``'s tree-path case scatters each request's records along a random root
+    path (NaN elsewhere); gathered back (the run-time without path-reading kernels), the fold
+    is the chain commit bit for bit on the reference."""
+    case = next(c for c in CHECK_CASES if c.tree)
+    args = make_commit_inputs(case, 2, 8, device="cpu", seed=3)
+    scattered, path = along_a_path(args, 3)
+    assert (path[:, 1:] > torch.arange(1, 8)).any() and torch.isnan(scattered.corr).any()
+    chain, tree_path = args.state.double(), args.state.double()
+    reference.commit(args.with_(state=chain), compute_dtype=torch.float64)
+    reference.commit(path_records(scattered.with_(state=tree_path), path),
+                     compute_dtype=torch.float64)  # fmt: skip
+    assert torch.equal(chain, tree_path) and not torch.equal(chain, args.state.double())
+
+
+def test_the_all_layer_commit_says_what_a_path_needs() -> None:
+    from test_model_commit_validation import model
+
+    three, window = torch.tensor([1, 0, 5], dtype=torch.int32), 4
+    path = torch.zeros(3, window, dtype=torch.int32)
+    m = model()
+    expected = "no prefix caching" if COMMIT_TREE_PATH else "COMMIT_TREE_PATH"
+    align = {"block_table": torch.ones(3, 2, dtype=torch.int32), "num_computed": three,
+             "block_size": 16}  # fmt: skip
+    with pytest.raises(KdaInputError, match=expected):
+        m.commit(three, torch.ones(3, dtype=torch.int32), path=path, **align)

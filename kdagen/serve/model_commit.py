@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .abi import COMMIT_TREE_PATH
 from .contract import gate_of
-from .runtime import _resolve_variant, kernel_lower_bound, launch_commit
+from .runtime import _resolve_variant, check_path, kernel_lower_bound, launch_commit
 from .validate import KdaInputError, check_scalar, check_state, check_tensor
 from .variant import Variant
 
@@ -215,6 +216,7 @@ class ModelCommit:
         block_table: torch.Tensor | None = None,
         num_computed: torch.Tensor | None = None,
         block_size: int = 0,
+        path: torch.Tensor | None = None,
         variant: Variant | str | None = None,
     ) -> None:
         """Fold request b's accepted tokens into every layer's slot ``slots[b]`` (int32 or
@@ -225,11 +227,15 @@ class ModelCommit:
         int32, ``num_computed`` [R] int32 and ``block_size`` >= Q send the state to the slot
         of the block holding the last committed token, and the state at the first block
         boundary the window crosses to that block's slot (with the conv history likewise).
+        After a token-tree verify, ``path`` [B, Q] int32 lists request b's accepted nodes root
+        first (no prefix caching, no conv state; kernels that read it: ``abi.COMMIT_TREE_PATH``).
         Launches on the current stream; no allocation, no synchronisation."""
         values = self.validate_step(
             slots, accepted, query_start=query_start, request_index=request_index,
             block_table=block_table, num_computed=num_computed, block_size=block_size,
         )  # fmt: skip
+        if path is not None:
+            values |= self._path_args(path, values)
         if values["batch"] == 0:
             return
         chosen = _resolve_variant(variant, "commit", self.heads, self.window,
@@ -283,6 +289,20 @@ class ModelCommit:
             **align, **self._conv_args(), lower_bound=kernel_lower_bound(self.lower_bound),
             null_slot=self.null_slot,
         )  # fmt: skip
+
+    def _path_args(self, path: torch.Tensor, values: dict) -> dict:
+        """A tree's accepted paths as the kernel's arguments (see ``commit``)."""
+        op = f"{self.op}.commit"
+        if not COMMIT_TREE_PATH:
+            raise KdaInputError(f"{op}: `path` (a token tree's accepted path) needs commit "
+                                "kernels that read it, built from the commit's next re-tune on "
+                                "(kdagen.serve.abi.COMMIT_TREE_PATH); kdagen.commit takes one "
+                                "layer's path today")  # fmt: skip
+        if values.get("block_size") or self.conv_states:
+            raise KdaInputError(f"{op}: `path` takes no prefix caching (`block_table`) and no "
+                                "conv state compaction")  # fmt: skip
+        check_path(op, path, values["batch"], self.window, self.device)
+        return {"path": path, "by_path": 1}
 
     def _check_align(
         self, op: str, block_table: object, num_computed: object, block_size: int, owners: int

@@ -42,7 +42,7 @@ def commit_model(model: Any, slots: Tensor, accepted: Tensor, **step: Any) -> No
     torch.ops.kdagen.commit_layers(
         register(model), list(model.states), list(model.conv_states), slots, accepted,
         step.get("query_start"), step.get("request_index"), step.get("block_table"),
-        step.get("num_computed"), int(step.get("block_size", 0)),
+        step.get("num_computed"), int(step.get("block_size", 0)), step.get("path"),
     )  # fmt: skip
 
 
@@ -103,6 +103,7 @@ def _commit_layers(
     block_table: Tensor | None,
     num_computed: Tensor | None,
     block_size: int,
+    path: Tensor | None = None,
 ) -> None:
     found = _MODELS.get(int(model))
     if found is None:
@@ -115,7 +116,7 @@ def _commit_layers(
         found = found.over(states, conv_states)
     found.commit(slots, accepted, query_start=query_start, request_index=request_index,
                  block_table=block_table, num_computed=num_computed,
-                 block_size=int(block_size))  # fmt: skip
+                 block_size=int(block_size), path=path)  # fmt: skip
 
 
 def _addresses(tensors: list[Tensor]) -> list[int]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import kernel_source
+from .abi import COMMIT_TREE_PATH
 from .contract import CommitArgs, VerifyArgs, check_commit, check_verify
 from .validate import KdaInputError, check_tensor
 from .variant import Variant
@@ -107,14 +108,19 @@ def commit(
     run_commit(args, path=path, variant=variant)
 
 
+def check_path(op: str, path: torch.Tensor, batch: int, window: int, device: torch.device) -> None:
+    """A tree's accepted paths: ``path`` [B, Q] int32, request b's nodes root first (entries
+    outside the window are clamped into it: a wrong path reads only its own request's row)."""
+    check_tensor(op, "path", path, dims=[batch, window], dtypes=[torch.int32], device=device)
+
+
 def path_records(args: CommitArgs, path: torch.Tensor, op: str = "kdagen.commit") -> CommitArgs:
     """``args`` with records that hold each request's accepted tree path as a chain: request
     b's records at positions ``path[b, j]`` moved to positions j, in copies (the commit kernels
-    fold positions 0 .. accepted - 1 in order). Entries are clamped into the window, so no
-    path reads outside request b's records row; positions from ``accepted[b]`` on are unused."""
+    fold positions 0 .. accepted - 1 in order); for kernels that cannot read the path
+    themselves (``abi.COMMIT_TREE_PATH`` off). Positions from ``accepted[b]`` on are unused."""
     batch, heads, window = args.slots.shape[0], args.corr.shape[1], args.corr.shape[2]
-    check_tensor(op, "path", path, dims=[batch, window], dtypes=[torch.int32],
-                 device=args.state.device)  # fmt: skip
+    check_path(op, path, batch, window, args.state.device)
     at = path.long().clamp(0, window - 1)[:, None, :, None]
     corr = args.corr[:batch].gather(2, at.expand(batch, heads, window, args.corr.shape[3]))
     kg = args.kg[:batch].gather(2, at.expand(batch, heads, window, args.kg.shape[3]))
@@ -131,8 +137,11 @@ def run_commit(
     launch = validate_commit(args, variant=variant)
     if launch.batch == 0:
         return
-    if path is not None:
+    by_path = path is not None and COMMIT_TREE_PATH
+    if path is not None and not by_path:
         args = path_records(args, path)
+    elif by_path:
+        check_path("kdagen.commit", path, launch.batch, args.corr.shape[2], args.state.device)
     state, corr, kg = args.state, args.corr, args.kg
     launch_commit(
         launch.variant, state=state, corr=corr, kg=kg, a_log=args.a_log, dt_bias=args.dt_bias,
@@ -140,6 +149,7 @@ def run_commit(
         owners=launch.batch, slot_count=state.shape[0], slot_stride=state.stride(0),
         rows=corr.shape[0], corr_row_stride=corr.stride(0), kg_row_stride=kg.stride(0),
         lower_bound=kernel_lower_bound(args.lower_bound), null_slot=int(args.null_slot),
+        path=path if by_path else None, by_path=int(by_path),
     )  # fmt: skip
 
 
@@ -162,10 +172,11 @@ def kernel_null_slot(null_slot: int) -> int:
 _COMMIT_DEFAULTS: dict[str, Any] = {
     "records_by_slot": 0, "indirect": 0, "windowed": 0, "block_size": 0, "table_rows": 0,
     "table_width": 0, "table_stride": 0, "conv_mode": 0, "conv_slot_stride": 0,
-    "conv_dim_stride": 0, "conv_token_stride": 0,
+    "conv_dim_stride": 0, "conv_token_stride": 0, "by_path": 0,
 }  # fmt: skip
 _COMMIT_TENSORS = (
     "conv_state", "layer_offsets", "request_index", "query_start", "block_table", "num_computed",
+    "path",
 )  # fmt: skip
 
 

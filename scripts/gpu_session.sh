@@ -7,7 +7,9 @@
 # then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/; what the
 # check steps passed before it is not checked again),
 # bench_model (the all-layer commit and decode step of a 69-layer model), bench_gate (the
-# softplus gate's verify against its bounded twin, Kimi-Linear's shapes). Every step logs to
+# softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
+# bench_tree (the Hopper tree verify: every variant's check; H12 Q8 trees beside the chain
+# kernels' bench, FlashInfer's chain as the peer). Every step logs to
 # OUTDIR; a short summary is printed last.
 # Env: COMPILE_SPACES (space names, e.g. "verify_sm90.yaml commit.yaml"; default: every
 # shipped space), COMPILE_MATCH (only variants whose name contains it), PYTEST_FILES (default:
@@ -59,6 +61,7 @@ spaces=(); for name in ${COMPILE_SPACES:-}; do spaces+=(--space "$name"); done
 has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_MATCH:+--match "$COMPILE_MATCH"} "${spaces[@]}"
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
+has check_tree && TAIL=6 step check_tree sharded_check verify_tree_sm90.yaml tree
 has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
 benches="${BENCHES:-h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv}"
 bench_verify() { local name=$1 tail=$2; shift 2; [[ " $benches " == *" $name "* ]] || return 0
@@ -76,6 +79,11 @@ if has bench_gate; then  # one tuning point, both gates side by side on the same
       --match t128-r1-c396-s1 --batches 1,16,64,256,512 --no-peers --out "$out/bench_gate_h$1_q$2.json"; done
   TAIL=12 step bench_gate_h32_q8_conv kdagen bench --space verify_sm90.yaml --gate both --heads 32 --window 8 --conv \
     --match t128-r1-c396-s1 --batches 1,16,64,256,512 --no-peers --out "$out/bench_gate_h32_q8_conv.json"
+fi
+if has bench_tree; then
+  for space in verify_tree_sm90.yaml verify_sm90.yaml; do
+    TAIL=10 step "bench_tree_${space%%.*}" kdagen bench --space "$space" --heads 12 --window 8 \
+      --batches 1,16,64,256,512 --out "$out/bench_${space%%.*}_h12_q8.json"; done
 fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"

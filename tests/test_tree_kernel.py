@@ -45,9 +45,9 @@ def test_names_parse_back_and_the_space_is_one_warpgroup_bounded_gate_without_co
     ("fields", "message"),
     [
         ({"threads": 256, "ctas": 264}, "tree=True needs threads=128"),
-        ({"gate": "softplus"}, "tree=True needs threads=128"),
-        ({"conv": True}, "tree=True needs threads=128"),
-        ({"window": 1}, "tree=True needs threads=128"),
+        ({"gate": "softplus"}, "tree=True needs conv=False, gate='kda'"),
+        ({"conv": True}, "tree=True needs conv=False, gate='kda'"),
+        ({"window": 1}, "tree=True needs conv=False, gate='kda'"),
     ],
 )
 def test_tree_rules(fields: dict, message: str) -> None:
@@ -75,6 +75,30 @@ def test_tree_kernels_compile_without_spills(cache: Path) -> None:
         assert r.frame_bytes == 0, r.variant
         resident = min(REGISTERS // (128 * r.registers), SM_SHARED // (r.smem_bytes + 1024))
         assert resident >= (v.ctas // 132 if v.stages == 1 else 2), (r.variant, resident)
+
+
+SM100_COMPILED = [
+    "verify-h12-q8-tree-i32-sm100_tcgen05-c740",
+    "verify-h96-q3-tree-i64-sm100_tcgen05-c740",
+]
+
+
+def test_the_blackwell_tree_kernels_compile_without_spills(cache: Path) -> None:
+    """The sm100 template's tree mode (compiled and inspected only, like every sm_100a
+    build): the parent selects and the masked solve, and tcgen05 MMAs as in the chain."""
+    space = {v.name for v in Space.load("verify_tree_sm100.yaml").expand().variants}
+    assert len(space) == 42 and set(SM100_COMPILED) <= space
+    records = kcompile.compile_many([Variant.parse(n) for n in SM100_COMPILED], ["sm_100a"],
+                                    jobs=2, root=cache)  # fmt: skip
+    assert [r.variant for r in records if r.ok] == SM100_COMPILED, [r.error for r in records]
+    assert all(r.frame_bytes == 0 for r in records)
+    tree = render(Variant.parse(SM100_COMPILED[0]))
+    chain = render(Variant.parse("verify-h12-q8-i32-sm100_tcgen05-c740"))
+    assert "ancestors[t] = ancestors[i]" in tree and "parents: cute.Tensor" in tree
+    assert "parents" not in chain and "ancestors" not in chain
+    ptx = (kcompile.variant_dir(Variant.parse(SM100_COMPILED[0]), cache) / "sm_100a"
+           / "kernel.ptx").read_text()  # fmt: skip
+    assert "tcgen05.mma" in ptx
 
 
 def _tree_args(**changes: object):

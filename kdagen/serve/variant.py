@@ -309,10 +309,15 @@ def _check_path_rules(v: Variant) -> None:
             "conv=True is not allowed for kernel 'commit': the conv state is rolled by verify, "
             "commit never reads it; allowed values: [False]"
         )
-    if v.tree and (v.kernel != "verify" or v.path != "sm90_wgmma"):
+    if v.tree and v.kernel != "verify":
         raise VariantError(
-            f"tree=True is not allowed for kernel {v.kernel!r}, path {v.path!r}: token trees "
-            "are verified by the sm90_wgmma verify only; allowed values: [False]"
+            f"tree=True is not allowed for kernel {v.kernel!r}: token trees are verified by "
+            "verify kernels (commit takes an accepted path at run time); allowed values: [False]"
+        )
+    if v.tree and (v.conv or v.gate != "kda" or v.window < 2):
+        raise VariantError(
+            f"tree=True needs conv=False, gate='kda' and window >= 2; got conv={v.conv}, "
+            f"gate={v.gate!r}, window={v.window}"
         )
     if v.kernel == "commit":
         _check_commit_rules(v)
@@ -357,9 +362,8 @@ def _check_sm90_verify_rules(v: Variant) -> None:
             f"row_split={v.row_split} is not allowed with conv=True: every CTA of a split item "
             "would read the conv history that another CTA rolls in place; allowed values: [1]"
         )
-    if v.tree and (v.threads != 128 or v.conv or v.gate != "kda" or v.window < 2):
+    if v.tree and v.threads != 128:
         raise VariantError(
-            f"tree=True needs threads=128 (the one-warpgroup kernel), conv=False, gate='kda' "
-            f"and window >= 2; got threads={v.threads}, conv={v.conv}, gate={v.gate!r}, "
-            f"window={v.window}"
+            f"tree=True needs threads=128 on path 'sm90_wgmma' (the one-warpgroup kernel); "
+            f"got threads={v.threads}"
         )

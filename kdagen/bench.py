@@ -291,7 +291,8 @@ def verify_launch(inputs: dict[str, Any], variant: Variant) -> Callable[[], None
     """kdagen's verify on one input set, as a no-argument launch."""
     from kdagen.serve.runtime import run_verify
 
-    args = verify_args(inputs).with_(lower_bound=lower_bound_for(variant.gate))
+    args = verify_args(inputs).with_(lower_bound=lower_bound_for(variant.gate),
+                                     parents=inputs["parents"] if variant.tree else None)  # fmt: skip
     return lambda: run_verify(args, variant=variant)
 
 
@@ -354,19 +355,22 @@ def bench_verify(
     seed: int = 0,
 ) -> list[VerifyBenchRow]:
     """Every verify variant (of one contract key, or twins that differ only in the gate, each
-    launched with its gate's ``lower_bound``) at every batch size, FlashInfer's verify on
-    the same input sets when it loads (with conv it gets the same qkv unconvolved: it does not
-    fuse the conv, so its time leaves the separate conv kernel out). Rows in that order."""
+    launched with its gate's ``lower_bound``, or in ``tree``: chains ignore the trees' parents)
+    at every batch size, FlashInfer's verify on the same input sets when it loads (with conv
+    it gets the same qkv unconvolved: it does not fuse the conv, so its time leaves the
+    separate conv kernel out; on trees it verifies chains). Rows in that order."""
     from kdagen.peers import flashinfer_verify
 
     first = variants[0]
-    if any(v.replace(gate=first.gate).contract_key != first.contract_key for v in variants):
+    if any(v.replace(gate=first.gate, tree=first.tree).contract_key != first.contract_key
+           for v in variants):  # fmt: skip
         raise ValueError("bench_verify: the variants must share one contract key (or differ "
-                         "only in the gate)")  # fmt: skip
+                         "only in the gate or in tree)")  # fmt: skip
+    inputs_for = next((v for v in variants if v.tree), first)  # trees' inputs have parents
     peer = flashinfer_verify().fn if peers else None
     rows: list[VerifyBenchRow] = []
     for batch in batches:
-        sets = verify_sets(first, batch, seed)
+        sets = verify_sets(inputs_for, batch, seed)
         floor = floor_us(first, batch, bandwidth)
         peer_args, failure = flashinfer_on(peer, sets) if peer is not None else ([], None)
         if failure:

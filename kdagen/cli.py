@@ -260,6 +260,12 @@ def bench(
         help="kda (Kimi-K3's bounded gate), softplus (Kimi-Linear's), or both: each softplus "
         "variant and its bounded twin (the same tuning), timed side by side on the same inputs",
     ),
+    tree: str = typer.Option(
+        "no",
+        help="verify: no (chains), yes (token trees, from a tree space such as "
+        "verify_tree_sm90.yaml), or both: each tree variant and its chain twin (the same "
+        "tuning), timed side by side on the same inputs",
+    ),
     match: str = typer.Option(None, help="only variants whose name contains this"),
     peers: bool = typer.Option(
         True, "--peers/--no-peers", help="time the peers too (verify: flashinfer; commit: torch)"
@@ -292,14 +298,18 @@ def bench(
     chosen_kernel = _bench_kernel(kernel, space)
     if gate not in ("kda", "softplus", "both"):
         raise typer.BadParameter(f"--gate {gate!r}: expected kda, softplus or both")
+    if tree not in ("no", "yes", "both") or (tree != "no" and gate == "both"):
+        raise typer.BadParameter(
+            f"--tree {tree!r}: expected no, yes or both (not with --gate both)"
+        )
     wanted = {"kernel": chosen_kernel, "heads": heads, "window": window, "slot_dtype": "int32",
               "gate": "softplus" if gate == "both" else gate}  # fmt: skip
     if chosen_kernel == "verify":
-        wanted |= {"conv": conv}
+        wanted |= {"conv": conv, "tree": tree != "no"}
         if conv:
             wanted |= {"conv_layout": conv_layout, "conv_weight_dtype": conv_weights}
-    elif conv:
-        raise typer.BadParameter("--conv applies to verify only (commit never reads the conv)")
+    elif conv or tree != "no":
+        raise typer.BadParameter("--conv and --tree apply to verify only (commit reads neither)")
     candidates = [
         v for v in _filter(_variants(space), match)
         if all(getattr(v, k) == value for k, value in wanted.items())
@@ -310,6 +320,8 @@ def bench(
     arch, chosen = _runnable(candidates)
     if gate == "both":
         chosen = [twin for v in chosen for twin in (v.replace(gate="kda"), v)]
+    if tree == "both":
+        chosen = [twin for v in chosen for twin in (v.replace(tree=False), v)]
     sizes = [int(b) for b in batches.split(",")]
     bw = kbench.copy_bandwidth()
     typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {len(chosen)} variants on {arch}")
@@ -320,7 +332,7 @@ def bench(
         rows: list = kbench.bench_verify(chosen, sizes, bw, peers=peers, seed=seed)
     else:
         rows = kbench.bench_commit(chosen, sizes, bw, with_torch=peers, seed=seed)
-    key = chosen[0].contract_key
+    key = next((v.contract_key for v in chosen if v.tree), chosen[0].contract_key)
     path = out or Path("out") / "bench" / f"{key}.json"
     header = _bench_header(chosen_kernel, key, arch, bw, peer_note)
     json_path, csv_path = kbench.write_results(path, header, rows)

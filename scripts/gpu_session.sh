@@ -8,8 +8,8 @@
 # check steps passed before it is not checked again),
 # bench_model (the all-layer commit and decode step of a 69-layer model), bench_gate (the
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
-# bench_tree (the Hopper tree verify: every variant's check; H12 Q8 trees beside the chain
-# kernels' bench, FlashInfer's chain as the peer). Every step logs to
+# bench_tree (the Hopper tree verify: every variant's check; H12 Q8 tree variants beside
+# their chain twins, FlashInfer's chain as the peer). Every step logs to
 # OUTDIR; a short summary is printed last.
 # Env: COMPILE_SPACES (space names, e.g. "verify_sm90.yaml commit.yaml"; default: every
 # shipped space), COMPILE_MATCH (only variants whose name contains it), PYTEST_FILES (default:
@@ -80,10 +80,9 @@ if has bench_gate; then  # one tuning point, both gates side by side on the same
   TAIL=12 step bench_gate_h32_q8_conv kdagen bench --space verify_sm90.yaml --gate both --heads 32 --window 8 --conv \
     --match t128-r1-c396-s1 --batches 1,16,64,256,512 --no-peers --out "$out/bench_gate_h32_q8_conv.json"
 fi
-if has bench_tree; then
-  for space in verify_tree_sm90.yaml verify_sm90.yaml; do
-    TAIL=10 step "bench_tree_${space%%.*}" kdagen bench --space "$space" --heads 12 --window 8 \
-      --batches 1,16,64,256,512 --out "$out/bench_${space%%.*}_h12_q8.json"; done
+if has bench_tree; then  # each tree variant beside its chain twin, on the same inputs
+  TAIL=20 step bench_tree kdagen bench --space verify_tree_sm90.yaml --tree both --heads 12 --window 8 \
+    --batches 1,16,64,256,512 --out "$out/bench_tree_h12_q8.json"
 fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"

@@ -365,6 +365,36 @@ def test_bench_verify_loop_with_cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -
     assert [r.flashinfer_us for r in failed] == [None, None]
 
 
+def test_tree_twins_share_inputs_and_the_chain_drops_the_parents(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kdagen bench --tree both``: a tree variant and its chain twin on the same input sets
+    (built for the tree: with parents), the chain launched without them."""
+    from functools import partial
+
+    from kdagen.bench import Timing
+    from kdagen.serve import runtime
+
+    launched: list[tuple[bool, object]] = []
+
+    def fake_time(launches):  # type: ignore[no-untyped-def]
+        for launch in launches:
+            launch()
+        return Timing(10.0, 9.5, 11.0, len(launches))
+
+    monkeypatch.setattr(runtime, "run_verify",
+                        lambda args, variant: launched.append((variant.tree, args.parents)))  # fmt: skip
+    monkeypatch.setattr(kbench, "sets_for", lambda size: 1)
+    monkeypatch.setattr(kbench, "verify_inputs", partial(kbench.verify_inputs, device="cpu"))
+    monkeypatch.setattr(kbench, "time_graph", fake_time)
+    tree = Variant.parse("verify-h12-q4-tree-i32-sm90_wgmma-t128-r1-c396-s1-pdl")
+    rows = kbench.bench_verify([tree.replace(tree=False), tree], [2], 4e12, peers=False)
+    assert [r.variant for r in rows] == [tree.replace(tree=False).name, tree.name]
+    (chain_tree, chain_parents), (tree_tree, tree_parents) = launched
+    assert (chain_tree, chain_parents, tree_tree) == (False, None, True)
+    assert isinstance(tree_parents, torch.Tensor) and tree_parents.dtype == torch.int32
+
+
 def test_flashinfer_accepts_the_layout() -> None:
     """FlashInfer's own argument checks (they run before any GPU call) pass on our args."""
     try:
@@ -422,13 +452,25 @@ def test_bench_command_writes_files_and_prints_the_table(
     assert out.exists() and out.with_suffix(".csv").exists() and out.with_suffix(".svg").exists()
 
 
-def test_bench_command_rejects_conv_for_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("option", [["--conv"], ["--tree", "yes"]])
+def test_bench_command_rejects_conv_and_trees_for_commit(
+    monkeypatch: pytest.MonkeyPatch, option: list[str]
+) -> None:
     import kdagen.cli as cli
 
     monkeypatch.setattr(cli, "_require_gpu", lambda: None)
-    result = CliRunner().invoke(cli.app, ["bench", "--kernel", "commit", "--conv"])
+    result = CliRunner().invoke(cli.app, ["bench", "--kernel", "commit", *option])
     assert result.exit_code != 0
-    assert "--conv applies to verify only" in " ".join(result.output.split())
+    assert "--conv and --tree apply to verify only" in " ".join(result.output.split())
+
+
+def test_bench_command_rejects_an_unknown_tree_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kdagen.cli as cli
+
+    monkeypatch.setattr(cli, "_require_gpu", lambda: None)
+    result = CliRunner().invoke(cli.app, ["bench", "--space", "verify_tree_sm90.yaml",
+                                          "--tree", "maybe"])  # fmt: skip
+    assert result.exit_code != 0 and "expected no, yes or both" in " ".join(result.output.split())
 
 
 # ---- GPU ----

@@ -121,13 +121,13 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "trace_slots": TRACE_SLOTS,
         "trace_header": TRACE_HEADER,
         "bound": options.bound,
+        "params": params(variant),  # the host call's signature
     }
     if variant.kernel == "commit":
         context["last_token_block"] = COMMIT_LAST_TOKEN_BLOCK
         context["tree_path"] = COMMIT_TREE_PATH
     if variant.kernel == "verify":
         context["pool_guard"] = guards_pool(variant)
-        context["params"] = params(variant)  # the host call's signature
         context["split"] = variant.row_split
         context["stages"] = variant.stages
         context["pdl"] = variant.pdl

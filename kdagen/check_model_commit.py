@@ -16,7 +16,10 @@ from typing import Any
 import torch
 
 from kdagen import first_use, reference
+from kdagen.cases import along_a_path
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
+from kdagen.serve.abi import COMMIT_TREE_PATH
+from kdagen.serve.contract import CommitArgs
 from kdagen.serve.variant import Variant
 from kdagen.testing import bits, lower_bound_for, poison_
 
@@ -38,6 +41,7 @@ class ModelCase:
     align: bool = False  # vLLM's prefix caching (block tables)
     dim_first: bool = False  # conv state layout
     outside: bool = False  # slots, request indices and table entries outside their tensors
+    tree: bool = False  # the accepted tokens as a token tree's path (kernels that read one)
 
 
 MODEL_CASES = (
@@ -45,7 +49,7 @@ MODEL_CASES = (
     ModelCase("vllm-layers", 9, 3, vllm=True),
     ModelCase("vllm-align", 7, 3, vllm=True, align=True, dim_first=True),
     ModelCase("outside", 10, 2, vllm=True, align=True, outside=True),
-)
+) + ((ModelCase("tree-path", 9, 3, tree=True),) if COMMIT_TREE_PATH else ())
 
 
 def _guarded(shape: tuple[int, ...], dtype: torch.dtype, pad: int, gen: torch.Generator,
@@ -159,6 +163,19 @@ def _model(inputs: dict[str, Any], case: ModelCase, lower_bound: float | None) -
     )  # fmt: skip
 
 
+def _along_paths(inputs: dict[str, Any], seed: int) -> torch.Tensor:
+    """Every layer's records scattered in place along the same random root paths
+    (``cases.along_a_path``: records row b is request b's); the paths [B, Q]."""
+    step, path = inputs["step"], None
+    for corr, kg in zip(inputs["corrs"], inputs["kgs"], strict=True):
+        args = CommitArgs(inputs["states"][0], corr, kg, inputs["a_logs"][0],
+                          inputs["dt_biases"][0], step["slots"], step["accepted"], None, 0)  # fmt: skip
+        scattered, path = along_a_path(args, seed)
+        corr.copy_(scattered.corr)
+        kg.copy_(scattered.kg)
+    return path
+
+
 def _step_kwargs(step: dict[str, Any]) -> dict[str, Any]:
     """``ModelCommit.commit``'s keyword arguments among a case's step inputs."""
     return {k: v for k, v in step.items() if k not in ("slots", "accepted")}
@@ -170,7 +187,6 @@ def run_model_case(variant: Variant, case: ModelCase, seed: int) -> CaseResult:
     slot_dtype = torch.int32 if variant.slot_dtype == "int32" else torch.int64
     inputs = make_model_inputs(case, variant.heads, variant.window, slot_dtype, seed)
     buffers = inputs["buffers"]
-    start = [b.clone() for b in buffers]
     expected = [s.double() for s in inputs["states"]]
     expected_conv = [c.clone() for c in inputs["convs"]]
     views = [c if case.dim_first else c.transpose(1, 2) for c in expected_conv]
@@ -180,10 +196,13 @@ def run_model_case(variant: Variant, case: ModelCase, seed: int) -> CaseResult:
         torch.stack(inputs["dt_biases"]), inputs["plan"], lower_bound=lower_bound,
         conv_states=views or None,
     )  # fmt: skip
+    # A tree case folds the same tokens, their records scattered along the paths.
+    path = {"path": _along_paths(inputs, seed)} if case.tree else {}
+    start = [b.clone() for b in buffers]
     result = CaseResult(variant.name, f"model-{case.name}", 0.0, 0.0, 0.0, True, True)
     try:
         model = _model(inputs, case, lower_bound)
-        kwargs = _step_kwargs(inputs["step"])
+        kwargs = _step_kwargs(inputs["step"]) | path
         runs = []
         for mode in ("eager", "repeat", "graph"):
             for buf, first in zip(buffers, start, strict=True):

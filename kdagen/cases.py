@@ -110,28 +110,39 @@ def make_commit_inputs(
 
 
 def along_a_path(args: CommitArgs, seed: int) -> tuple[CommitArgs, torch.Tensor]:
-    """The commit of ``args`` as a token tree's: request b's records rows 0 .. a - 1 moved to
-    the increasing positions ``path[b, :a]`` of a random root path (``path[b, 0] = 0``) in
-    copies whose other positions are NaN (never read), and ``path`` [B, Q] int32 (0 past a).
-    Folding the path must give ``args``' chain commit."""
-    batch, window = args.slots.shape[0], args.corr.shape[2]
+    """The commit of ``args`` as a token tree's: ``args`` scattered along random root paths
+    (``scatter_along``), and the paths [B, Q] int32. Folding the paths must give ``args``'
+    chain commit."""
+    path = random_root_paths(args.accepted, args.corr.shape[2], seed).to(args.slots.device)
+    return scatter_along(args, path), path
+
+
+def random_root_paths(accepted: torch.Tensor, window: int, seed: int) -> torch.Tensor:
+    """Per request b a random root path of ``accepted[b]`` (clamped into the window) increasing
+    positions from 0, as [B, Q] int32 on the host (0 past its length)."""
     gen = torch.Generator().manual_seed(seed)
-    counts = args.accepted.clamp(0, window).tolist()
-    path = torch.zeros(batch, window, dtype=torch.int32)
-    for b, n in enumerate(counts):
+    path = torch.zeros(accepted.shape[0], window, dtype=torch.int32)
+    for b, n in enumerate(accepted.clamp(0, window).tolist()):
         if n > 1:
             path[b, 1:n] = (
                 torch.randperm(window - 1, generator=gen)[: n - 1].sort().values + 1
             ).int()
+    return path
+
+
+def scatter_along(args: CommitArgs, path: torch.Tensor) -> CommitArgs:
+    """``args`` with request b's records rows 0 .. a - 1 moved to positions ``path[b, :a]``
+    in copies whose other positions are NaN (never read)."""
+    window = args.corr.shape[2]
     corr, kg = torch.full_like(args.corr, float("nan")), torch.full_like(args.kg, float("nan"))
-    done = torch.tensor(counts)
+    done = args.accepted.clamp(0, window).to(corr.device)
+    at_path = path.to(corr.device).long()
     for j in range(window):
         rows = (done > j).nonzero().flatten()
-        at = path[rows, j].long()
-        rows, at = rows.to(corr.device), at.to(corr.device)
+        at = at_path[rows, j]
         corr[rows, :, at] = args.corr[rows, :, j]
         kg[rows, :, at] = args.kg[rows, :, j]
-    return args.with_(corr=corr, kg=kg), path.to(args.slots.device)
+    return args.with_(corr=corr, kg=kg)
 
 
 def pool_of(state: torch.Tensor) -> torch.Tensor:

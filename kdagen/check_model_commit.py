@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kdagen import first_use, reference
-from kdagen.cases import along_a_path
+from kdagen.cases import random_root_paths, scatter_along
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
 from kdagen.serve.abi import COMMIT_TREE_PATH
 from kdagen.serve.contract import CommitArgs
@@ -164,13 +164,15 @@ def _model(inputs: dict[str, Any], case: ModelCase, lower_bound: float | None) -
 
 
 def _along_paths(inputs: dict[str, Any], seed: int) -> torch.Tensor:
-    """Every layer's records scattered in place along the same random root paths
-    (``cases.along_a_path``: records row b is request b's); the paths [B, Q]."""
-    step, path = inputs["step"], None
+    """Every layer's records scattered in place along the same random root paths (records
+    row b is request b's: ``cases.scatter_along``); the paths [B, Q]."""
+    step = inputs["step"]
+    path = random_root_paths(step["accepted"], inputs["corrs"][0].shape[2], seed)
+    path = path.to(step["slots"].device)
     for corr, kg in zip(inputs["corrs"], inputs["kgs"], strict=True):
         args = CommitArgs(inputs["states"][0], corr, kg, inputs["a_logs"][0],
                           inputs["dt_biases"][0], step["slots"], step["accepted"], None, 0)  # fmt: skip
-        scattered, path = along_a_path(args, seed)
+        scattered = scatter_along(args, path)
         corr.copy_(scattered.corr)
         kg.copy_(scattered.kg)
     return path

@@ -137,10 +137,9 @@ def run_commit(
     launch = validate_commit(args, variant=variant)
     if launch.batch == 0:
         return
-    by_path = path is not None and COMMIT_TREE_PATH
-    if path is not None and not by_path:
-        args = path_records(args, path)
-    elif by_path:
+    if path is not None and not COMMIT_TREE_PATH:  # kernels that cannot read it: gathered
+        args, path = path_records(args, path), None
+    elif path is not None:
         check_path("kdagen.commit", path, launch.batch, args.corr.shape[2], args.state.device)
     state, corr, kg = args.state, args.corr, args.kg
     launch_commit(
@@ -149,7 +148,7 @@ def run_commit(
         owners=launch.batch, slot_count=state.shape[0], slot_stride=state.stride(0),
         rows=corr.shape[0], corr_row_stride=corr.stride(0), kg_row_stride=kg.stride(0),
         lower_bound=kernel_lower_bound(args.lower_bound), null_slot=int(args.null_slot),
-        path=path if by_path else None, by_path=int(by_path),
+        path=path, by_path=int(path is not None),
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
 # bench_tree (the Hopper tree verify: every variant's check; H12 Q8 tree variants beside
 # their chain twins, FlashInfer's chain as the peer). Every step logs to
-# OUTDIR; a short summary is printed last.
+# OUTDIR (packed into OUTDIR/logs-<time>.tgz at the end); a short summary is printed last.
 # Env: COMPILE_SPACES (space names, e.g. "verify_sm90.yaml commit.yaml"; default: every
 # shipped space), COMPILE_MATCH (only variants whose name contains it), PYTEST_FILES (default:
 # tests),
@@ -97,4 +97,8 @@ fi
 if has bench_model; then
   TAIL=8 step bench_model kdagen bench --layers 69 --heads 12 --window 8 --batches 1,16,64,256 --out "$out/bench_model_l69_h12_q8.json"
 fi
+# The device machine returns at most 8 files from OUTDIR: the summary, gen.tgz, and every other
+# log and JSON in one logs-<time>.tgz per call of this script.
+( cd "$out" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name gen.tgz ! -name 'logs-*.tgz' \
+    -print0 | tar czf "logs-$(date +%H%M%S).tgz" --null -T - --remove-files )
 echo "== summary"; cat "$out/summary.txt"

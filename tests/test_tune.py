@@ -536,6 +536,19 @@ def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -
     assert any("verify_sm100" in n and "sm_90a" in n for n in notes)
 
 
+def test_chain_workloads_plan_no_tree_studies_and_tree_workloads_only_trees() -> None:
+    spaces = ("verify_sm90.yaml", "verify_tree_sm90.yaml")
+    chains, _ = plan_studies(spaces, "workloads.yaml", "sm_90a", "verify-h12-q8")
+    assert sorted(p.key for p in chains) == [
+        "verify-h12-q8-conv-tm-bf16-i32", "verify-h12-q8-conv-tm-bf16-i64",
+        "verify-h12-q8-i32", "verify-h12-q8-i64",
+    ]  # fmt: skip
+    trees, _ = plan_studies(spaces, "workloads_tree.yaml", "sm_90a")
+    assert len(trees) == 9 and all("-tree-i32" in p.key for p in trees)
+    assert all(v.tree for p in trees for v in p.candidates)
+    assert {p.batches for p in trees} == {(1, 8, 64, 512)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tune_on_the_gpu(tmp_path: Path, workloads: Path) -> None:

@@ -114,7 +114,8 @@ def along_a_path(args: CommitArgs, seed: int) -> tuple[CommitArgs, torch.Tensor]
     (``scatter_along``), and the paths [B, Q] int32. Folding the paths must give ``args``'
     chain commit."""
     path = random_root_paths(args.accepted, args.corr.shape[2], seed).to(args.slots.device)
-    return scatter_along(args, path), path
+    corr, kg = scatter_along(args.corr, args.kg, args.accepted, path)
+    return args.with_(corr=corr, kg=kg), path
 
 
 def random_root_paths(accepted: torch.Tensor, window: int, seed: int) -> torch.Tensor:
@@ -130,19 +131,22 @@ def random_root_paths(accepted: torch.Tensor, window: int, seed: int) -> torch.T
     return path
 
 
-def scatter_along(args: CommitArgs, path: torch.Tensor) -> CommitArgs:
-    """``args`` with request b's records rows 0 .. a - 1 moved to positions ``path[b, :a]``
-    in copies whose other positions are NaN (never read)."""
-    window = args.corr.shape[2]
-    corr, kg = torch.full_like(args.corr, float("nan")), torch.full_like(args.kg, float("nan"))
-    done = args.accepted.clamp(0, window).to(corr.device)
+def scatter_along(
+    corr: torch.Tensor, kg: torch.Tensor, accepted: torch.Tensor, path: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the records ``corr``, ``kg`` with records row b's positions 0 .. a - 1
+    (a = ``accepted[b]``) moved to positions ``path[b, :a]``, every other position NaN
+    (never read)."""
+    window = corr.shape[2]
+    out_corr, out_kg = torch.full_like(corr, float("nan")), torch.full_like(kg, float("nan"))
+    done = accepted.clamp(0, window).to(corr.device)
     at_path = path.to(corr.device).long()
     for j in range(window):
         rows = (done > j).nonzero().flatten()
         at = at_path[rows, j]
-        corr[rows, :, at] = args.corr[rows, :, j]
-        kg[rows, :, at] = args.kg[rows, :, j]
-    return args.with_(corr=corr, kg=kg)
+        out_corr[rows, :, at] = corr[rows, :, j]
+        out_kg[rows, :, at] = kg[rows, :, j]
+    return out_corr, out_kg
 
 
 def pool_of(state: torch.Tensor) -> torch.Tensor:

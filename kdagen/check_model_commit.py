@@ -19,7 +19,6 @@ from kdagen import first_use, reference
 from kdagen.cases import random_root_paths, scatter_along
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
 from kdagen.serve.abi import COMMIT_TREE_PATH
-from kdagen.serve.contract import CommitArgs
 from kdagen.serve.variant import Variant
 from kdagen.testing import bits, lower_bound_for, poison_
 
@@ -170,11 +169,9 @@ def _along_paths(inputs: dict[str, Any], seed: int) -> torch.Tensor:
     path = random_root_paths(step["accepted"], inputs["corrs"][0].shape[2], seed)
     path = path.to(step["slots"].device)
     for corr, kg in zip(inputs["corrs"], inputs["kgs"], strict=True):
-        args = CommitArgs(inputs["states"][0], corr, kg, inputs["a_logs"][0],
-                          inputs["dt_biases"][0], step["slots"], step["accepted"], None, 0)  # fmt: skip
-        scattered = scatter_along(args, path)
-        corr.copy_(scattered.corr)
-        kg.copy_(scattered.kg)
+        scattered_corr, scattered_kg = scatter_along(corr, kg, step["accepted"], path)
+        corr.copy_(scattered_corr)
+        kg.copy_(scattered_kg)
     return path
 
 

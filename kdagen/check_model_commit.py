@@ -18,7 +18,6 @@ import torch
 from kdagen import first_use, reference
 from kdagen.cases import random_root_paths, scatter_along
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
-from kdagen.serve.abi import COMMIT_TREE_PATH
 from kdagen.serve.variant import Variant
 from kdagen.testing import bits, lower_bound_for, poison_
 
@@ -40,7 +39,7 @@ class ModelCase:
     align: bool = False  # vLLM's prefix caching (block tables)
     dim_first: bool = False  # conv state layout
     outside: bool = False  # slots, request indices and table entries outside their tensors
-    tree: bool = False  # the accepted tokens as a token tree's path (kernels that read one)
+    tree: bool = False  # the accepted tokens as a token tree's path
 
 
 MODEL_CASES = (
@@ -48,7 +47,8 @@ MODEL_CASES = (
     ModelCase("vllm-layers", 9, 3, vllm=True),
     ModelCase("vllm-align", 7, 3, vllm=True, align=True, dim_first=True),
     ModelCase("outside", 10, 2, vllm=True, align=True, outside=True),
-) + ((ModelCase("tree-path", 9, 3, tree=True),) if COMMIT_TREE_PATH else ())
+    ModelCase("tree-path", 9, 3, tree=True),
+)
 
 
 def _guarded(shape: tuple[int, ...], dtype: torch.dtype, pad: int, gen: torch.Generator,

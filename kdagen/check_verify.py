@@ -19,7 +19,6 @@ import torch
 
 from kdagen import first_use, reference
 from kdagen.emulate import relative_errors
-from kdagen.render import guards_pool
 from kdagen.serve.variant import Variant
 from kdagen.testing import (
     bits,
@@ -72,8 +71,7 @@ SOFTPLUS_CASES = (
     VerifyCase("forget", 48, gate_logits=(200.0, 100.0)),
     VerifyCase("forget-all", 16, gate_logits=(0.0, 1e4)),
 )
-# Slots outside the pool (issue 28), for the kernels that test them (``guards_pool``): past
-# the pool's end, and -3 above a null slot below it.
+# Slots outside the pool (issue 28): past the pool's end, and -3 above a null slot below it.
 OUTSIDE_CASES = (
     VerifyCase("outside-pool", 12, outside=True),
     VerifyCase("null-below-pool", 12, null_slot=-4, outside=True),
@@ -90,7 +88,7 @@ def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
     return (
         VERIFY_CASES
         + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
-        + (OUTSIDE_CASES if guards_pool(variant) else ())
+        + OUTSIDE_CASES
         + (TREE_CASES if variant.tree else ())
     )
 

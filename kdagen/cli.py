@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from kdagen.serve.variant import Variant, VariantError
-from kdagen.space import DEFAULT_SPACES, Space, SpaceError
+from kdagen.space import DEFAULT_SPACES, Space, SpaceError, name_matches
 
 app = typer.Typer(
     help="Generate, compile, check and time KDA speculative verify/commit kernels (CuTe DSL).",
@@ -38,7 +38,7 @@ def _variants(space: list[str] | None) -> list[Variant]:
 
 
 def _filter(variants: list[Variant], match: str | None) -> list[Variant]:
-    return [v for v in variants if match is None or match in v.name]
+    return [v for v in variants if name_matches(v.name, match)]
 
 
 @app.command()
@@ -87,7 +87,9 @@ def compile(
     arch: list[str] = typer.Option(["sm_90a"], "--arch", "-a", help="sm_90a and/or sm_100a"),
     space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="worker processes (0: one per CPU)"),
-    match: str = typer.Option(None, help="only variants whose name contains this"),
+    match: str = typer.Option(
+        None, help="only variants whose name contains this (or one of a,b,...)"
+    ),
     force: bool = typer.Option(False, help="ignore the compile cache"),
 ) -> None:
     """Compile every variant without a GPU, in worker processes, with an on-disk cache."""
@@ -174,7 +176,9 @@ def _require_gpu() -> None:
 @app.command()
 def check(
     space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
-    match: str = typer.Option(None, help="only variants whose name contains this"),
+    match: str = typer.Option(
+        None, help="only variants whose name contains this (or one of a,b,...)"
+    ),
     seed: int = typer.Option(None, help="input seed (default: random, printed)"),
     json_out: Path = typer.Option(
         None, "--json", help="write every case result here (rewritten after each variant)"
@@ -266,7 +270,9 @@ def bench(
         "verify_tree_sm90.yaml), or both: each tree variant and its chain twin (the same "
         "tuning), timed side by side on the same inputs",
     ),
-    match: str = typer.Option(None, help="only variants whose name contains this"),
+    match: str = typer.Option(
+        None, help="only variants whose name contains this (or one of a,b,...)"
+    ),
     peers: bool = typer.Option(
         True, "--peers/--no-peers", help="time the peers too (verify: flashinfer; commit: torch)"
     ),

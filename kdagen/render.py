@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jinja2
 
-from kdagen.serve.abi import COMMIT_TREE_PATH, params
+from kdagen.serve.abi import params
 from kdagen.serve.fingerprint import dsl_version
 from kdagen.serve.resources import data_dir
 from kdagen.serve.variant import Variant
@@ -46,25 +46,6 @@ TRACE_HEADER = 12
 
 def _sm90(variant: Variant) -> bool:
     return variant.kernel == "verify" and variant.path == "sm90_wgmma"
-
-
-# A Hopper verify treats a slot past the pool as padding (issue 28) once the H200 table is
-# re-tuned with that test: the table measured these kernels without it, and a render that
-# changes their machine code makes it stale. The Blackwell kernel (untuned) always has it.
-SM90_POOL_GUARD = False
-
-
-# With prefix caching the commit stores the final state to the block-table slot of the last
-# committed token (vLLM's rule, the reference's). The shipped H200 table measured kernels that
-# took the slot of the token after it, which differs when the window ends on a block boundary:
-# they store to the next block (or, where that entry is the null block, commit nothing). On
-# with the commit's next re-tune, which the rule for a stale table requires.
-COMMIT_LAST_TOKEN_BLOCK = False
-
-
-def guards_pool(variant: Variant) -> bool:
-    """Whether ``variant``'s kernel renders with the test of a slot past the pool."""
-    return not _sm90(variant) or SM90_POOL_GUARD
 
 
 # Measurement bounds (RenderOptions.bound): builds with wrong outputs that time one part of
@@ -123,11 +104,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "bound": options.bound,
         "params": params(variant),  # the host call's signature
     }
-    if variant.kernel == "commit":
-        context["last_token_block"] = COMMIT_LAST_TOKEN_BLOCK
-        context["tree_path"] = COMMIT_TREE_PATH
     if variant.kernel == "verify":
-        context["pool_guard"] = guards_pool(variant)
         context["split"] = variant.row_split
         context["stages"] = variant.stages
         context["pdl"] = variant.pdl

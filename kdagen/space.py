@@ -186,3 +186,9 @@ def default_variants(spaces: tuple[str, ...] = DEFAULT_SPACES) -> list[Variant]:
     for name in spaces:
         out += Space.load(name).expand().variants
     return out
+
+
+def name_matches(name: str, match: str | None) -> bool:
+    """Whether ``name`` contains ``match``, or one of its comma-separated parts (the
+    ``--match`` options: ``a,b`` selects what names either); None matches every name."""
+    return match is None or any(part in name for part in match.split(",") if part)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from kdagen.reference import CONV_WIDTH, K, V, in_pool
 from kdagen.serve.contract import CommitArgs, VerifyArgs
+from kdagen.serve.runtime import check_path
 from kdagen.serve.variant import Variant
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "commit_write_mask",
     "is_poisoned",
     "make_verify_inputs",
+    "path_records",
     "poison_",
     "untouched_mask",
     "verify_args",
@@ -321,3 +323,17 @@ def commit_write_mask(inputs: dict[str, Any], accepted: Tensor) -> Tensor:
         if live and a > 0:
             mask[slot, :per_slot] = True
     return mask.to(pool.device)
+
+
+def path_records(args: CommitArgs, path: torch.Tensor, op: str = "kdagen.commit") -> CommitArgs:
+    """``args`` with records that hold each request's accepted tree path as a chain: request
+    b's records at positions ``path[b, j]`` moved to positions j, in copies. The chain commit
+    of these is what a commit with ``path`` computes (the reference's tree-path fold, and the
+    kernels' in-place reads, are tested against it). Positions from ``accepted[b]`` on are
+    unused."""
+    batch, heads, window = args.slots.shape[0], args.corr.shape[1], args.corr.shape[2]
+    check_path(op, path, batch, window, args.state.device)
+    at = path.long().clamp(0, window - 1)[:, None, :, None]
+    corr = args.corr[:batch].gather(2, at.expand(batch, heads, window, args.corr.shape[3]))
+    kg = args.kg[:batch].gather(2, at.expand(batch, heads, window, args.kg.shape[3]))
+    return args.with_(corr=corr, kg=kg)

@@ -64,7 +64,7 @@ from kdagen.search import (
 )
 from kdagen.serve.dispatch import generated_root
 from kdagen.serve.variant import PATHS, Variant
-from kdagen.space import DEFAULT_SPACES, Space, load_workloads
+from kdagen.space import DEFAULT_SPACES, Space, load_workloads, name_matches
 from kdagen.storage import describe, folder_url, open_storage, pack_folder
 from kdagen.studies import (
     Stamp,
@@ -147,7 +147,7 @@ def plan_studies(
             notes.append(f"space {space.name}: no path targets {arch}; not tuned here")
         for w in workloads:
             for v in runnable:
-                if not _fits(v, w.contract) or (match and match not in v.contract_key):
+                if not _fits(v, w.contract) or not name_matches(v.contract_key, match):
                     continue
                 entry = by_key.setdefault(
                     v.contract_key,

@@ -47,7 +47,7 @@ def tune(
     out: Path = typer.Option(
         None, help="output root; results go to <out>/<gpu-fingerprint>/ [default: generated/]"
     ),
-    match: str = typer.Option(None, help="only contract keys containing this"),
+    match: str = typer.Option(None, help="only contract keys containing this (or one of a,b,...)"),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
     timeout: float = typer.Option(
         120.0, help="seconds one GPU call (check, or one timing) may take before it fails"

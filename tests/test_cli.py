@@ -78,6 +78,26 @@ def test_compile_prints_a_table_and_caches(tmp_path: Path, monkeypatch: pytest.M
     assert second.output.count("ok (cached)") == 6
 
 
+def test_match_takes_a_comma_separated_list() -> None:
+    from kdagen.cli import _filter
+    from kdagen.space import Space
+    from kdagen.tune import plan_studies
+
+    variants = Space.load("commit.yaml").expand().variants
+    one = _filter(variants, "h12-q1-i32-bulk-t256-v8-r4")
+    other = _filter(variants, "h96-q8-i64-bulk-t128-v4-r2")
+    assert len(one) == len(other) == 1
+    assert _filter(variants, f"{one[0].name},{other[0].name}") == one + other
+    assert _filter(variants, "no-such-variant,") == []
+    assert _filter(variants, None) == variants
+    plans, _ = plan_studies(["commit.yaml"], "workloads.yaml", "sm_90a", "commit-h12-q1-i32,h96-q8")
+    assert sorted(p.key for p in plans) == [
+        "commit-h12-q1-i32",
+        "commit-h96-q8-i32",
+        "commit-h96-q8-i64",
+    ]
+
+
 def test_compile_failure_exits_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 

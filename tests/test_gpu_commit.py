@@ -11,8 +11,6 @@ from gpu_marks import ANY_GPU
 from kdagen import reference
 from kdagen.cases import CHECK_CASES, make_commit_inputs, pool_of
 from kdagen.check import check_commit
-from kdagen.check_model_commit import MODEL_CASES
-from kdagen.render import COMMIT_LAST_TOKEN_BLOCK
 from kdagen.serve.contract import CommitArgs, VerifyArgs
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
@@ -35,18 +33,11 @@ def _representative() -> list[str]:
     return full + others
 
 
-# Until kdagen.render.COMMIT_LAST_TOKEN_BLOCK is on, the kernels store a window that ends on a
-# block boundary to the next block: exactly the prefix-caching cases fail, every one of them.
-KNOWN_FAILURES = (
-    set() if COMMIT_LAST_TOKEN_BLOCK else {f"model-{c.name}" for c in MODEL_CASES if c.align}
-)
-
-
 @pytest.mark.parametrize("name", _representative())
 def test_commit_variant_matches_reference(name: str) -> None:
     results = check_commit(Variant.parse(name), seed=SEED)
     failed = {r.case for r in results if not r.passed}
-    assert failed == KNOWN_FAILURES, f"seed {SEED}: {[r for r in results if not r.passed]}"
+    assert not failed, f"seed {SEED}: {[r for r in results if not r.passed]}"
 
 
 def test_commit_graph_replay_equals_eager() -> None:

@@ -13,7 +13,6 @@ import torch
 from gpu_marks import ANY_GPU
 
 from kdagen import reference
-from kdagen.render import COMMIT_LAST_TOKEN_BLOCK
 from kdagen.serve.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
 
 pytestmark = ANY_GPU
@@ -65,14 +64,9 @@ def restore(layers: list[SimpleNamespace], saved: list[list[torch.Tensor]]) -> N
             t.copy_(s)
 
 
-# Until kdagen.render.COMMIT_LAST_TOKEN_BLOCK is on, the kernels store the final state of a
-# window that ends on a block boundary to the next block, where vLLM stores it to the block of
-# its last token (this test's request 0 does that).
-NEXT_BLOCK = pytest.mark.xfail(not COMMIT_LAST_TOKEN_BLOCK, strict=True,
-                               reason="kdagen.render.COMMIT_LAST_TOKEN_BLOCK is off")  # fmt: skip
-
-
-@pytest.mark.parametrize("align", [False, pytest.param(True, marks=NEXT_BLOCK)])
+# With ``align``, request 0's window ends on a block boundary: its final state goes to the
+# block of its last token (vLLM's rule), not the next one.
+@pytest.mark.parametrize("align", [False, True])
 @pytest.mark.parametrize("dim_first", [False, True])
 def test_commit_context_matches_vllm(align: bool, dim_first: bool, monkeypatch) -> None:
     from kdagen.peers import vllm_commit

@@ -11,7 +11,6 @@ from gpu_marks import HOPPER
 
 from kdagen import reference
 from kdagen.check_verify import OUTSIDE_CASES, VerifyCase, check_verify, run_verify_case
-from kdagen.render import SM90_POOL_GUARD
 from kdagen.serve.runtime import commit, run_verify
 from kdagen.serve.variant import Variant
 from kdagen.serve.vllm import kda_recoverssm_verify
@@ -31,16 +30,7 @@ SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 H, Q = 12, 4
 
 
-POOL_GUARD = pytest.mark.skipif(
-    not SM90_POOL_GUARD,
-    reason="the Hopper kernels test a slot past the pool from their next re-tune on "
-    "(kdagen.render.SM90_POOL_GUARD)",
-)
-
-
-@pytest.mark.parametrize(
-    "outside", [False, pytest.param(True, marks=POOL_GUARD)], ids=["in-pool", "outside-pool"]
-)
+@pytest.mark.parametrize("outside", [False, True], ids=["in-pool", "outside-pool"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
 def test_vllm_entry_point_gives_the_same_outputs_as_verify(
     lower_bound: float | None, outside: bool
@@ -193,7 +183,6 @@ def test_two_warpgroups_at_odd_windows_pass_the_check(name: str) -> None:
         assert result.passed, f"seed {SEED}: {result.error or result.summary()}"
 
 
-@POOL_GUARD
 @pytest.mark.parametrize("conv", [False, True])
 @pytest.mark.parametrize("case", OUTSIDE_CASES, ids=lambda c: c.name)
 def test_slots_outside_the_pool_pad(case: VerifyCase, conv: bool) -> None:

@@ -16,13 +16,19 @@ from kdagen import reference, tree
 from kdagen.cases import CHECK_CASES, along_a_path, make_commit_inputs
 from kdagen.check_verify import cases_for
 from kdagen.render import render
-from kdagen.serve.abi import COMMIT_TREE_PATH, params
+from kdagen.serve.abi import params
 from kdagen.serve.contract import check_verify
-from kdagen.serve.runtime import default_verify_variant, path_records
+from kdagen.serve.runtime import check_path, default_verify_variant
 from kdagen.serve.validate import KdaInputError
 from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import Space
-from kdagen.testing import clone_inputs, commit_args, make_verify_inputs, verify_args
+from kdagen.testing import (
+    clone_inputs,
+    commit_args,
+    make_verify_inputs,
+    path_records,
+    verify_args,
+)
 
 TREE = Space.load("verify_tree_sm90.yaml").expand().variants
 SM_SHARED, REGISTERS = 232448, 65536  # per H200 SM
@@ -35,7 +41,7 @@ COMPILED = [  # the window's extremes, both splits, both stage counts, both grid
 
 
 def test_names_parse_back_and_the_space_is_one_warpgroup_bounded_gate_without_conv() -> None:
-    assert len(TREE) == 99 and set(COMPILED) <= {v.name for v in TREE}
+    assert len(TREE) == 96 and set(COMPILED) <= {v.name for v in TREE}
     for v in TREE:
         assert Variant.parse(v.name) == v and "-tree-" in v.contract_key
         assert (v.threads, v.conv, v.gate) == (128, False, "kda") and v.window >= 2
@@ -151,10 +157,8 @@ def test_a_path_commit_is_the_chain_commit_of_the_path_records() -> None:
 
 
 def test_a_path_must_be_int32_b_by_q() -> None:
-    inp = make_verify_inputs(3, 1, 4, seed=1)
-    args = commit_args(inp, torch.ones(3, dtype=torch.int32))
     with pytest.raises(KdaInputError, match="`path`"):
-        path_records(args, torch.zeros(3, 3, dtype=torch.int32))
+        check_path("kdagen.commit", torch.zeros(3, 3, dtype=torch.int32), 3, 4, torch.device("cpu"))
 
 
 def test_the_check_runs_a_chain_and_a_star_on_tree_variants_only() -> None:
@@ -166,8 +170,8 @@ def test_the_check_runs_a_chain_and_a_star_on_tree_variants_only() -> None:
 
 def test_the_checks_tree_path_case_is_its_chain_commit() -> None:
     """``kdagen check``'s tree-path case scatters each request's records along a random root
-    path (NaN elsewhere); gathered back (the run-time without path-reading kernels), the fold
-    is the chain commit bit for bit on the reference."""
+    path (NaN elsewhere); gathered back, the fold is the chain commit bit for bit on the
+    reference (the kernels read the scattered records in place: the GPU check)."""
     case = next(c for c in CHECK_CASES if c.tree)
     args = make_commit_inputs(case, 2, 8, device="cpu", seed=3)
     scattered, path = along_a_path(args, 3)
@@ -185,7 +189,7 @@ def test_the_all_layer_commit_says_what_a_path_needs() -> None:
     three, window = torch.tensor([1, 0, 5], dtype=torch.int32), 4
     path = torch.zeros(3, window, dtype=torch.int32)
     m = model()
-    expected = "no prefix caching" if COMMIT_TREE_PATH else "COMMIT_TREE_PATH"
+    expected = "no prefix caching"
     align = {"block_table": torch.ones(3, 2, dtype=torch.int32), "num_computed": three,
              "block_size": 16}  # fmt: skip
     with pytest.raises(KdaInputError, match=expected):

@@ -23,21 +23,12 @@ class Param:
     align: int = 4  # bytes the kernel assumes the pointer is aligned to
 
 
-# The commit kernels read a token tree's accepted path themselves (``path`` [B, Q] int32 and
-# the run-time flag ``by_path``) from the commit's next re-tune on: the shipped H200 table
-# measured kernels without these arguments. Until then the run-time gathers the path's records
-# (``runtime.path_records``) and the all-layer commit takes no path.
-COMMIT_TREE_PATH = False
-
-
 def commit_params(variant: Variant) -> tuple[Param, ...]:
     # One launch folds every layer: layer l's state, corr, kg and conv state lie
     # layer_offsets[l] elements after layer 0's (the pointers below). The plan arguments
     # select kdagen's contract (records by request row, accepted by request) or vLLM's
     # commit context (records by slot, request indices, window lengths, prefix caching);
     # with ``by_path`` request b's records are read at positions ``path[b, :]``.
-    path = (Param("path", "ptr", "int32", 4),) if COMMIT_TREE_PATH else ()
-    by_path = (Param("by_path", "i32"),) if COMMIT_TREE_PATH else ()
     return (
         Param("state", "ptr", "bf16", 16),
         Param("corr", "ptr", "fp32", 16),
@@ -52,7 +43,7 @@ def commit_params(variant: Variant) -> tuple[Param, ...]:
         Param("query_start", "ptr", "int32", 4),  # [B + 1] (windowed)
         Param("block_table", "ptr", "int32", 4),  # [table_rows, table_width] (block_size > 0)
         Param("num_computed", "ptr", "int32", 4),  # [owners] (block_size > 0)
-        *path,  # [B, Q] (by_path)
+        Param("path", "ptr", "int32", 4),  # [B, Q] (by_path)
         Param("layers", "i32"),
         Param("batch", "i32"),
         Param("owners", "i32"),
@@ -68,7 +59,7 @@ def commit_params(variant: Variant) -> tuple[Param, ...]:
         Param("table_rows", "i32"),
         Param("table_width", "i32"),
         Param("table_stride", "i64"),
-        *by_path,
+        Param("by_path", "i32"),
         Param("conv_mode", "i32"),  # 0: no conv state, 1: channel by channel, 2: 16-byte rows
         Param("conv_slot_stride", "i64"),
         Param("conv_dim_stride", "i64"),

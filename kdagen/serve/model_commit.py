@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .abi import COMMIT_TREE_PATH
 from .contract import gate_of
 from .runtime import _resolve_variant, check_path, kernel_lower_bound, launch_commit
 from .validate import KdaInputError, check_scalar, check_state, check_tensor
@@ -228,7 +227,7 @@ class ModelCommit:
         of the block holding the last committed token, and the state at the first block
         boundary the window crosses to that block's slot (with the conv history likewise).
         After a token-tree verify, ``path`` [B, Q] int32 lists request b's accepted nodes root
-        first (no prefix caching, no conv state; kernels that read it: ``abi.COMMIT_TREE_PATH``).
+        first (no prefix caching, no conv state).
         Launches on the current stream; no allocation, no synchronisation."""
         values = self.validate_step(
             slots, accepted, query_start=query_start, request_index=request_index,
@@ -293,11 +292,6 @@ class ModelCommit:
     def _path_args(self, path: torch.Tensor, values: dict) -> dict:
         """A tree's accepted paths as the kernel's arguments (see ``commit``)."""
         op = f"{self.op}.commit"
-        if not COMMIT_TREE_PATH:
-            raise KdaInputError(f"{op}: `path` (a token tree's accepted path) needs commit "
-                                "kernels that read it, built from the commit's next re-tune on "
-                                "(kdagen.serve.abi.COMMIT_TREE_PATH); kdagen.commit takes one "
-                                "layer's path today")  # fmt: skip
         if values.get("block_size") or self.conv_states:
             raise KdaInputError(f"{op}: `path` takes no prefix caching (`block_table`) and no "
                                 "conv state compaction")  # fmt: skip

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from . import kernel_source
-from .abi import COMMIT_TREE_PATH
 from .contract import CommitArgs, VerifyArgs, check_commit, check_verify
 from .validate import KdaInputError, check_tensor
 from .variant import Variant
@@ -101,8 +100,7 @@ def commit(
     softplus gate. One layer; ``kdagen.ModelCommit`` folds every layer of a model in one
     launch. Launches on the current stream; no allocation, no synchronisation.
     After a token-tree verify, ``path`` [B, Q] int32 lists each request's accepted nodes root
-    first (docs/tree-semantics.md): they are folded in that order (``path_records``; this
-    allocates the two record copies).
+    first (docs/tree-semantics.md): the kernel reads their records in that order, in place.
     """
     args = CommitArgs(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound, null_slot)
     run_commit(args, path=path, variant=variant)
@@ -112,19 +110,6 @@ def check_path(op: str, path: torch.Tensor, batch: int, window: int, device: tor
     """A tree's accepted paths: ``path`` [B, Q] int32, request b's nodes root first (entries
     outside the window are clamped into it: a wrong path reads only its own request's row)."""
     check_tensor(op, "path", path, dims=[batch, window], dtypes=[torch.int32], device=device)
-
-
-def path_records(args: CommitArgs, path: torch.Tensor, op: str = "kdagen.commit") -> CommitArgs:
-    """``args`` with records that hold each request's accepted tree path as a chain: request
-    b's records at positions ``path[b, j]`` moved to positions j, in copies (the commit kernels
-    fold positions 0 .. accepted - 1 in order); for kernels that cannot read the path
-    themselves (``abi.COMMIT_TREE_PATH`` off). Positions from ``accepted[b]`` on are unused."""
-    batch, heads, window = args.slots.shape[0], args.corr.shape[1], args.corr.shape[2]
-    check_path(op, path, batch, window, args.state.device)
-    at = path.long().clamp(0, window - 1)[:, None, :, None]
-    corr = args.corr[:batch].gather(2, at.expand(batch, heads, window, args.corr.shape[3]))
-    kg = args.kg[:batch].gather(2, at.expand(batch, heads, window, args.kg.shape[3]))
-    return args.with_(corr=corr, kg=kg)
 
 
 def run_commit(
@@ -137,9 +122,7 @@ def run_commit(
     launch = validate_commit(args, variant=variant)
     if launch.batch == 0:
         return
-    if path is not None and not COMMIT_TREE_PATH:  # kernels that cannot read it: gathered
-        args, path = path_records(args, path), None
-    elif path is not None:
+    if path is not None:
         check_path("kdagen.commit", path, launch.batch, args.corr.shape[2], args.state.device)
     state, corr, kg = args.state, args.corr, args.kg
     launch_commit(

@@ -47,6 +47,7 @@ __all__ = [
     "ancestor_bits",
     "ancestor_matrix",
     "rebase_reference",
+    "shifted_reference",
     "tree_log_decay",
     "tree_softplus_floor",
     "verify_tree_like_sm100",
@@ -131,18 +132,31 @@ def rebase_reference(logs: Tensor, lower_bound: float | None) -> Tensor:
     return torch.minimum(torch.maximum(ref, low), high)
 
 
+def shifted_reference(logs: Tensor, floor: float) -> Tensor:
+    """The reference of the softplus tree kernels at Q <= 8 (``NEAR_SHIFT`` in their
+    templates): the constant ``-Q floor / 2``. Every node's G lies in ``[-Q floor, 0]`` (its
+    depth is at most Q), so each factor stays within ``exp(+-Q floor / 2)``, at most exp(64)."""
+    return torch.full_like(logs[..., :1, :], -logs.shape[-2] * floor / 2)
+
+
 def verify_tree_like_sm100(
-    args: VerifyArgs, parents: Tensor, *, softplus_floor: float | None = None
-) -> None:
+    args: VerifyArgs, parents: Tensor, *, softplus_floor: float | None = None,
+    shifted: bool = False,
+) -> None:  # fmt: skip
     """``kdagen.tree.verify_tree``'s contract and in-place writes (no conv), computed like a
     tree kernel built on the sm100 chain kernel (see the module docstring); windows up to 16.
-    ``softplus_floor`` overrides ``tree_softplus_floor(Q)`` (a study knob, not a contract)."""
+    ``softplus_floor`` overrides ``tree_softplus_floor(Q)`` (a study knob, not a contract);
+    ``shifted``: the couplings relative to ``shifted_reference``, as the softplus tree kernels
+    take them (the softplus gate, Q <= 8)."""
     check_tree_verify(args, parents, op=OP)
     if args.conv_state is not None:
         raise KdaInputError(f"{OP}: the fused convolution is not emulated in tree mode")
     state, lower_bound, window = args.state, args.lower_bound, args.corr.shape[2]
     if state.dtype != BF16:  # the tensor cores read the pool as it is
         raise KdaInputError(f"{OP}: `state` must be bf16 (the kernel's pool), got {state.dtype}")
+    if shifted and (lower_bound is not None or window > 8):
+        raise KdaInputError(f"{OP}: `shifted` is the softplus tree kernels' reference at Q <= "
+                            f"8; got lower_bound {lower_bound}, Q {window}")  # fmt: skip
     if lower_bound is not None and window * lower_bound < -2 * REBASE_RANGE:
         raise KdaInputError(
             f"{OP}: `lower_bound` x Q must be >= -{2 * REBASE_RANGE:g} (the log decays' span "
@@ -162,7 +176,7 @@ def verify_tree_like_sm100(
     logs = tree_log_decay(gates, tree)
     decay = torch.exp(logs)
     proj = _project(state[req.slot], torch.cat([decay * tok.k_n, decay * tok.q_n], dim=-2))
-    ref = rebase_reference(logs, lower_bound)
+    ref = shifted_reference(logs, floor) if shifted else rebase_reference(logs, lower_bound)
     near = torch.exp(logs - ref)
     ancestors = ancestor_matrix(ancestor_bits(tree))[:, None]  # [B, 1, Q, Q]
     c, d = _couplings(torch.exp(ref - logs) * tok.k_n, near * tok.k_n, near * tok.q_n, ancestors)

@@ -124,6 +124,30 @@ def test_matches_fp64_tree_reference(window: int, gate: str, shape: str) -> None
     assert torch.equal(bits(emu["kg"]), bits(ref["kg"]))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gate", [g for g in GATES if g.startswith("softplus")])
+@pytest.mark.parametrize("window", [2, 5, 8])
+def test_the_softplus_tree_kernels_constant_reference_meets_the_targets(
+    window: int, gate: str, shape: str
+) -> None:
+    """The Hopper and Blackwell softplus tree kernels take the couplings relative to the
+    constant -Q floor / 2 (their paths share no middle token): as accurate as the clamped
+    reference, gates that forget everything included."""
+    seed = 3 * window + len(gate) + len(shape)
+    inputs = _inputs({"Q": window, "H": 2, "B": 6, "seed": seed, **GATES[gate]})
+    parents = tree_parents(inputs["qlen"], shape, seed)
+    ref, emu = _reference(inputs, parents), _emulate(inputs, parents, shifted=True)
+    errors = tree_errors(emu, ref, verify_write_masks(inputs))
+    over = {k: (v, TARGETS[k]) for k, v in errors.items() if not v <= TARGETS[k]}
+    assert not over, f"over the target (measured, target): {over}"
+
+
+def test_the_constant_reference_is_for_softplus_windows_up_to_8() -> None:
+    inputs = _inputs({"Q": 16, "H": 2, "lower_bound": None})
+    with pytest.raises(KdaInputError, match="`shifted`"):
+        _emulate(inputs, tree_parents(inputs["qlen"], "random", 1), shifted=True)
+
+
 def test_writes_only_the_allowed_elements() -> None:
     inputs = _inputs({"Q": 16, "H": 2, "lower_bound": None})
     emu = _emulate(inputs, tree_parents(inputs["qlen"], "random", 3))

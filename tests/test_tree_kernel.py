@@ -37,23 +37,24 @@ COMPILED = [  # the window's extremes, both splits, both stage counts, both grid
     "verify-h12-q8-tree-i32-sm90_wgmma-t128-r1-c528-s2-pdl",
     "verify-h32-q4-tree-i32-sm90_wgmma-t128-r2-c528-s1-pdl",
     "verify-h96-q3-tree-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
+    "verify-h32-q8-softplus-tree-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
 ]
 
 
-def test_names_parse_back_and_the_space_is_one_warpgroup_bounded_gate_without_conv() -> None:
-    assert len(TREE) == 96 and set(COMPILED) <= {v.name for v in TREE}
+def test_names_parse_back_and_the_space_is_one_warpgroup_without_conv() -> None:
+    assert len(TREE) == 220 and set(COMPILED) <= {v.name for v in TREE}
     for v in TREE:
         assert Variant.parse(v.name) == v and "-tree-" in v.contract_key
-        assert (v.threads, v.conv, v.gate) == (128, False, "kda") and v.window >= 2
+        assert (v.threads, v.conv) == (128, False) and v.window >= 2
+    assert {v.gate for v in TREE} == {"kda", "softplus"}
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"threads": 256, "ctas": 264}, "tree=True needs threads=128"),
-        ({"gate": "softplus"}, "tree=True needs conv=False, gate='kda'"),
-        ({"conv": True}, "tree=True needs conv=False, gate='kda'"),
-        ({"window": 1}, "tree=True needs conv=False, gate='kda'"),
+        ({"conv": True}, "tree=True needs conv=False and window >= 2"),
+        ({"window": 1}, "tree=True needs conv=False and window >= 2"),
     ],
 )
 def test_tree_rules(fields: dict, message: str) -> None:
@@ -89,6 +90,7 @@ def test_tree_kernels_compile_without_spills(cache: Path) -> None:
 SM100_COMPILED = [
     "verify-h12-q8-tree-i32-sm100_tcgen05-c740",
     "verify-h96-q3-tree-i64-sm100_tcgen05-c740",
+    "verify-h32-q8-softplus-tree-i32-sm100_tcgen05-c740",
 ]
 
 
@@ -96,7 +98,7 @@ def test_the_blackwell_tree_kernels_compile_without_spills(cache: Path) -> None:
     """The sm100 template's tree mode (compiled and inspected only, like every sm_100a
     build): the parent selects and the masked solve, and tcgen05 MMAs as in the chain."""
     space = {v.name for v in Space.load("verify_tree_sm100.yaml").expand().variants}
-    assert len(space) == 42 and set(SM100_COMPILED) <= space
+    assert len(space) == 98 and set(SM100_COMPILED) <= space
     records = kcompile.compile_many([Variant.parse(n) for n in SM100_COMPILED], ["sm_100a"],
                                     jobs=2, root=cache)  # fmt: skip
     assert [r.variant for r in records if r.ok] == SM100_COMPILED, [r.error for r in records]
@@ -124,12 +126,27 @@ def test_parents_select_the_tree_contract() -> None:
     assert chosen.tree and chosen.threads == 128 and chosen.ctas == 396
 
 
+def test_a_tree_with_conv_is_refused() -> None:
+    inputs = make_verify_inputs(5, 2, 4, seed=3, tree=True, conv=True)
+    with pytest.raises(KdaInputError, match="needs no conv tensors"):
+        check_verify(verify_args(inputs), require_cuda=False)
+
+
+def test_the_softplus_gate_takes_trees() -> None:
+    args, _ = _tree_args(lower_bound=None)
+    checked = check_verify(args, require_cuda=False)
+    assert checked.fields["tree"] is True and checked.fields["gate"] == "softplus"
+    chosen = default_verify_variant(2, 4, "int32", 5, arch="sm_90a", sms=132,
+                                    **{k: v for k, v in checked.fields.items()
+                                       if k not in ("heads", "window", "slot_dtype")})  # fmt: skip
+    assert "-softplus-tree-" in chosen.name and chosen.threads == 128
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"parents": torch.zeros(3, dtype=torch.int32)}, "`parents`"),
         ({"parents": "int64"}, "`parents`"),
-        ({"lower_bound": None}, "needs the bounded gate"),
     ],
 )
 def test_bad_parents_are_refused(changes: dict, message: str) -> None:

@@ -544,7 +544,7 @@ def test_chain_workloads_plan_no_tree_studies_and_tree_workloads_only_trees() ->
         "verify-h12-q8-i32", "verify-h12-q8-i64",
     ]  # fmt: skip
     trees, _ = plan_studies(spaces, "workloads_tree.yaml", "sm_90a")
-    assert len(trees) == 9 and all("-tree-i32" in p.key for p in trees)
+    assert len(trees) == 21 and all("-tree-i32" in p.key for p in trees)
     assert all(v.tree for p in trees for v in p.candidates)
     assert {p.batches for p in trees} == {(1, 8, 64, 512)}
 

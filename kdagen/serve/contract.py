@@ -275,13 +275,12 @@ def _check_parents(
 ) -> bool:
     """A token tree's ``parents`` [T] int32 (each token's parent position in its window, -1
     at the root; the kernels treat any other value that is not an earlier position as -1):
-    the tree kernels take Kimi-K3's gate without conv, windows of 2 to 8 tokens."""
+    the tree kernels take either gate without conv, windows of 2 to 8 tokens."""
     check_tensor(op, "parents", args.parents, dims=[tokens], dtypes=[torch.int32],
                  device=device)  # fmt: skip
-    if fields["conv"] or fields["gate"] != "kda" or fields["window"] < 2:
+    if fields["conv"] or fields["window"] < 2:
         raise KdaInputError(
-            f"{op}: `parents` (a token tree) needs the bounded gate (lower_bound), no conv "
-            f"tensors and a window (corr.shape[2]) of 2 to 8; got gate {fields['gate']!r}, "
-            f"conv {fields['conv']}, window {fields['window']}"
+            f"{op}: `parents` (a token tree) needs no conv tensors and a window "
+            f"(corr.shape[2]) of 2 to 8; got conv {fields['conv']}, window {fields['window']}"
         )
     return True

@@ -376,7 +376,7 @@ def verify(
     <= Q and live slots unique (not checked: that would synchronise). ``lower_bound``:
     Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate. ``parents`` [T] int32:
     each window is a token tree, token t's parent at window position ``parents[t]`` (-1:
-    the root; docs/tree-semantics.md); Hopper, the bounded gate, no conv.
+    the root; docs/tree-semantics.md); Hopper, no conv.
     Launches on the current stream; no allocation, no synchronisation.
     """
     args = VerifyArgs.from_qkv(

@@ -314,10 +314,9 @@ def _check_path_rules(v: Variant) -> None:
             f"tree=True is not allowed for kernel {v.kernel!r}: token trees are verified by "
             "verify kernels (commit takes an accepted path at run time); allowed values: [False]"
         )
-    if v.tree and (v.conv or v.gate != "kda" or v.window < 2):
+    if v.tree and (v.conv or v.window < 2):
         raise VariantError(
-            f"tree=True needs conv=False, gate='kda' and window >= 2; got conv={v.conv}, "
-            f"gate={v.gate!r}, window={v.window}"
+            f"tree=True needs conv=False and window >= 2; got conv={v.conv}, window={v.window}"
         )
     if v.kernel == "commit":
         _check_commit_rules(v)

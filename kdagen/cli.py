@@ -25,6 +25,7 @@ app = typer.Typer(
 )
 
 SPACE_HELP = "search-space YAML (a path, or a name in search_spaces/); default: every shipped space"
+MATCH_HELP = "only variants whose name contains this (or one of a,b,...)"
 
 
 def _variants(space: list[str] | None) -> list[Variant]:
@@ -87,9 +88,7 @@ def compile(
     arch: list[str] = typer.Option(["sm_90a"], "--arch", "-a", help="sm_90a and/or sm_100a"),
     space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="worker processes (0: one per CPU)"),
-    match: str = typer.Option(
-        None, help="only variants whose name contains this (or one of a,b,...)"
-    ),
+    match: str = typer.Option(None, help=MATCH_HELP),
     force: bool = typer.Option(False, help="ignore the compile cache"),
 ) -> None:
     """Compile every variant without a GPU, in worker processes, with an on-disk cache."""
@@ -176,9 +175,7 @@ def _require_gpu() -> None:
 @app.command()
 def check(
     space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
-    match: str = typer.Option(
-        None, help="only variants whose name contains this (or one of a,b,...)"
-    ),
+    match: str = typer.Option(None, help=MATCH_HELP),
     seed: int = typer.Option(None, help="input seed (default: random, printed)"),
     json_out: Path = typer.Option(
         None, "--json", help="write every case result here (rewritten after each variant)"
@@ -270,9 +267,7 @@ def bench(
         "verify_tree_sm90.yaml), or both: each tree variant and its chain twin (the same "
         "tuning), timed side by side on the same inputs",
     ),
-    match: str = typer.Option(
-        None, help="only variants whose name contains this (or one of a,b,...)"
-    ),
+    match: str = typer.Option(None, help=MATCH_HELP),
     peers: bool = typer.Option(
         True, "--peers/--no-peers", help="time the peers too (verify: flashinfer; commit: torch)"
     ),

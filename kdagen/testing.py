@@ -17,6 +17,7 @@ from kdagen.reference import CONV_WIDTH, K, V, in_pool
 from kdagen.serve.contract import CommitArgs, VerifyArgs
 from kdagen.serve.runtime import check_path
 from kdagen.serve.variant import Variant
+from kdagen.tree import gather_path
 
 __all__ = [
     "POISON_BITS",
@@ -331,9 +332,7 @@ def path_records(args: CommitArgs, path: torch.Tensor, op: str = "kdagen.commit"
     of these is what a commit with ``path`` computes (the reference's tree-path fold, and the
     kernels' in-place reads, are tested against it). Positions from ``accepted[b]`` on are
     unused."""
-    batch, heads, window = args.slots.shape[0], args.corr.shape[1], args.corr.shape[2]
+    batch, window = args.slots.shape[0], args.corr.shape[2]
     check_path(op, path, batch, window, args.state.device)
-    at = path.long().clamp(0, window - 1)[:, None, :, None]
-    corr = args.corr[:batch].gather(2, at.expand(batch, heads, window, args.corr.shape[3]))
-    kg = args.kg[:batch].gather(2, at.expand(batch, heads, window, args.kg.shape[3]))
-    return args.with_(corr=corr, kg=kg)
+    at = path.long().clamp(0, window - 1)
+    return args.with_(corr=gather_path(args.corr[:batch], at), kg=gather_path(args.kg[:batch], at))

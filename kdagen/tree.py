@@ -49,6 +49,7 @@ __all__ = [
     "check_parents",
     "check_path",
     "check_tree_verify",
+    "gather_path",
     "verify_tree",
 ]
 
@@ -292,7 +293,7 @@ def _convolve_tree(raw: Tensor, req: Requests, parents: Tensor, args: VerifyArgs
 # --------------------------------------------------------------------------- commit
 
 
-def _gather_path(records: Tensor, path: Tensor) -> Tensor:
+def gather_path(records: Tensor, path: Tensor) -> Tensor:
     """``records [B, H, Q, X]`` rows at ``path [B, Q]`` positions: the accepted path as a
     chain (entries past its length are gathered too; the fold selects them away)."""
     index = path[:, None, :, None].expand(-1, records.shape[1], -1, records.shape[-1])
@@ -326,8 +327,8 @@ def commit_path_layers(
     check_live_slots("slots", plan.source, plan.live, states[0].shape[0], unique=True)
     steps = check_path(COMMIT_PATH_OP, path, plan.count, plan.live, window)
     rows = plan.record.clamp(max=corrs[0].shape[0] - 1)
-    chain_corrs = [_gather_path(c[rows], steps) for c in corrs]
-    chain_kgs = [_gather_path(g[rows], steps) for g in kgs]
+    chain_corrs = [gather_path(c[rows], steps) for c in corrs]
+    chain_kgs = [gather_path(g[rows], steps) for g in kgs]
     chain_plan = dataclasses.replace(plan, record=torch.arange(batch, device=slots.device))
     commit_layers(states, chain_corrs, chain_kgs, a_log, dt_bias, chain_plan,
                   lower_bound=lower_bound, compute_dtype=compute_dtype)  # fmt: skip

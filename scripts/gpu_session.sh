@@ -12,9 +12,10 @@
 # their chain twins, FlashInfer's chain as the peer). Every step logs to
 # OUTDIR (packed into OUTDIR/logs-<time>.tgz at the end); a short summary is printed last.
 # Env: COMPILE_SPACES (space names, e.g. "verify_sm90.yaml commit.yaml"; default: every
-# shipped space), COMPILE_MATCH (only variants whose name contains it, or one of a,b,...), PYTEST_FILES (default:
-# tests),
-# CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it),
+# shipped space), COMPILE_MATCH (only variants whose name contains it, or one of a,b,...),
+# PYTEST_FILES (default: tests),
+# CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it, or one
+# of a,b,...),
 # CHECK_RESUME (a folder of earlier check JSONs: skip what passed there at the same render),
 # CHECK_TUNED (non-empty: also skip what the tuner checked in generated/'s fresh studies, e.g.
 # after this call's tune step),

@@ -21,7 +21,11 @@ from kdagen.serve.resources import data_dir
 from kdagen.serve.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, VariantError, check_field
 
 SPACE_DIR = data_dir("search_spaces")
-DEFAULT_SPACES = ("commit.yaml", "verify_sm90.yaml", "verify_sm100.yaml")
+# The shipped spaces: what `kdagen check` verifies and the tuned tables choose from.
+DEFAULT_SPACES = (
+    "commit.yaml", "verify_sm90.yaml", "verify_sm100.yaml",
+    "verify_tree_sm90.yaml", "verify_tree_sm100.yaml",
+)  # fmt: skip
 
 
 class SpaceError(ValueError):

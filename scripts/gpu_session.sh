@@ -89,11 +89,11 @@ if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"
 fi
 if has tune; then
-  mkdir -p "$out/gen" && cp -r generated/nvidia-* "$out/gen/"  # resume: re-measure what changed
+  mkdir -p "$out/gen" && cp -rp generated/nvidia-* "$out/gen/"  # resume: re-measure what changed
   # What this call's check (and CHECK_RESUME's) passed is timed without checking it again.
   checked=(); for f in "$out"/check_*.json "${CHECK_RESUME:-/nonexistent}"/*.json; do [[ -f $f ]] && checked+=(--checked "$f"); done
-  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" "${checked[@]}" ${TUNE_ARGS:-}
-  cp -r "$out"/gen/nvidia-* generated/ && tar czf "$out/gen.tgz" -C "$out/gen" .
+  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space verify_tree_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" "${checked[@]}" ${TUNE_ARGS:-}
+  cp -rp "$out"/gen/nvidia-* generated/ && tar czf "$out/gen.tgz" -C "$out/gen" .
 fi
 if has bench_model; then
   TAIL=8 step bench_model kdagen bench --layers 69 --heads 12 --window 8 --batches 1,16,64,256 --out "$out/bench_model_l69_h12_q8.json"

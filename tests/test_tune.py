@@ -537,16 +537,18 @@ def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -
 
 
 def test_chain_workloads_plan_no_tree_studies_and_tree_workloads_only_trees() -> None:
-    spaces = ("verify_sm90.yaml", "verify_tree_sm90.yaml")
-    chains, _ = plan_studies(spaces, "workloads.yaml", "sm_90a", "verify-h12-q8")
-    assert sorted(p.key for p in chains) == [
+    spaces = ("verify_sm90.yaml", "verify_tree_sm90.yaml", "commit.yaml")
+    plans, _ = plan_studies(spaces, "workloads.yaml", "sm_90a", "verify-h12-q8")
+    assert sorted(p.key for p in plans) == [
         "verify-h12-q8-conv-tm-bf16-i32", "verify-h12-q8-conv-tm-bf16-i64",
-        "verify-h12-q8-i32", "verify-h12-q8-i64",
+        "verify-h12-q8-i32", "verify-h12-q8-i64", "verify-h12-q8-tree-i32",
     ]  # fmt: skip
-    trees, _ = plan_studies(spaces, "workloads_tree.yaml", "sm_90a")
-    assert len(trees) == 21 and all("-tree-i32" in p.key for p in trees)
+    trees = [p for p in plan_studies(spaces, "workloads.yaml", "sm_90a")[0] if "tree" in p.key]
+    assert len(trees) == 21 and all(p.key.endswith("-tree-i32") for p in trees)
     assert all(v.tree for p in trees for v in p.candidates)
     assert {p.batches for p in trees} == {(1, 8, 64, 512)}
+    chains = {p.key: p for p in plans if "tree" not in p.key}
+    assert not any(v.tree for p in chains.values() for v in p.candidates)
 
 
 @pytest.mark.gpu

@@ -13,10 +13,9 @@ from kdagen.check import gpu_refusal
 from kdagen.dsl.sm100 import INSTR_DESC, K
 from kdagen.sass import disassemble, find_nvdisasm
 from kdagen.serve.variant import Variant, VariantError
-from kdagen.space import Space
+from kdagen.space import Space, default_variants
 
 SM100 = Space.load("verify_sm100.yaml").expand().variants
-TREES_SM100 = Space.load("verify_tree_sm100.yaml").expand().variants
 SM_SHARED = 233472  # bytes of shared memory per SM
 SMS_B200 = 148
 
@@ -52,7 +51,7 @@ def test_space_covers_every_contract_variant() -> None:
 
 def test_every_compiled_sm100_variant_compiles_for_sm100a(records) -> None:
     mine = [r for r in records if "-sm100_tcgen05-" in r.variant and r.arch == "sm_100a"]
-    assert mine and {r.variant for r in mine} <= {v.name for v in SM100 + TREES_SM100}
+    assert mine and {r.variant for r in mine} <= {v.name for v in default_variants()}
     failed = [(r.variant, r.error) for r in mine if not r.ok]
     assert not failed, failed[:3]
     assert all(r.static_only for r in mine)

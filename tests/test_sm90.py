@@ -13,10 +13,9 @@ import pytest
 from kdagen import compile as kcompile
 from kdagen.render import render
 from kdagen.serve.variant import Variant, VariantError
-from kdagen.space import Space
+from kdagen.space import Space, default_variants
 
 SM90 = Space.load("verify_sm90.yaml").expand().variants
-TREES_SM90 = Space.load("verify_tree_sm90.yaml").expand().variants
 SM_SHARED = 232448  # bytes of shared memory per H100/H200 SM usable by CTAs
 REGISTERS = 65536  # per SM
 
@@ -62,7 +61,7 @@ def _mine(records: list[kcompile.CompileRecord]) -> list[kcompile.CompileRecord]
 
 def test_every_compiled_sm90_variant_compiles_without_spills(records) -> None:
     mine = _mine(records)
-    assert mine and {r.variant for r in mine} <= {v.name for v in SM90 + TREES_SM90}
+    assert mine and {r.variant for r in mine} <= {v.name for v in default_variants()}
     assert not [(r.variant, r.error) for r in mine if not r.ok][:3]
     assert all(r.frame_bytes == 0 for r in mine), [r.variant for r in mine if r.frame_bytes]
     skipped = [r for r in records if "-sm90_wgmma-" in r.variant and r.arch == "sm_100a"]

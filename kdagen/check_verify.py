@@ -19,6 +19,7 @@ import torch
 
 from kdagen import first_use, reference
 from kdagen.emulate import relative_errors
+from kdagen.serve.contract import max_log_decay
 from kdagen.serve.variant import Variant
 from kdagen.testing import (
     bits,
@@ -57,6 +58,9 @@ class VerifyCase:
     # A tree variant's windows: "random" trees, a "chain" given as a tree, or a "star" (every
     # token a child of the first).
     shape: str = "random"
+    # The bounded gate at the contract's deepest log decay: every gate saturated at a
+    # lower_bound of -max_log_decay(Q) / Q.
+    deepest: bool = False
 
 
 VERIFY_CASES = (
@@ -81,6 +85,9 @@ TREE_CASES = (
     VerifyCase("tree-chain", 24, shape="chain"),
     VerifyCase("tree-star", 24, shape="star"),
 )
+# Windows past 8 with the bounded gate: every token's gate at the deepest lower_bound the
+# contract takes (G reaches -160 at the window's end), so the couplings' factors span exp(+-80).
+WIDE_KDA_CASES = (VerifyCase("saturated", 24, gate_logits=(1.0, 30.0), deepest=True),)
 MANY_UNITS = 3600
 
 
@@ -90,6 +97,7 @@ def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
         + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
         + OUTSIDE_CASES
         + (TREE_CASES if variant.tree else ())
+        + (WIDE_KDA_CASES if variant.window > 8 and variant.gate == "kda" else ())
     )
 
 
@@ -141,9 +149,12 @@ class VerifyCaseResult:
 def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]:
     """Fresh random inputs on the GPU for ``variant``'s contract, outputs poisoned."""
     batch = case.batch or max(1, MANY_UNITS // variant.heads)
+    deepest = (
+        {"lower_bound": -max_log_decay(variant.window) / variant.window} if case.deepest else {}
+    )
     inputs = verify_inputs_for(variant, batch, null_slot=case.null_slot, seed=seed,
                                device="cuda", ragged=case.ragged, nulls=case.nulls,
-                               outside=case.outside)  # fmt: skip
+                               outside=case.outside, **deepest)  # fmt: skip
     if case.gate_logits is not None:
         std, mean = case.gate_logits
         gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -133,9 +133,11 @@ def rebase_reference(logs: Tensor, lower_bound: float | None) -> Tensor:
 
 
 def shifted_reference(logs: Tensor, floor: float) -> Tensor:
-    """The reference of the softplus tree kernels at Q <= 8 (``NEAR_SHIFT`` in their
-    templates): the constant ``-Q floor / 2``. Every node's G lies in ``[-Q floor, 0]`` (its
-    depth is at most Q), so each factor stays within ``exp(+-Q floor / 2)``, at most exp(64)."""
+    """The reference of the Hopper kernels that shift their couplings (``NEAR_SHIFT`` in their
+    templates: softplus trees at Q <= 8, both gates past Q = 8): the constant ``-Q floor / 2``
+    (``floor``: the softplus floor, or ``|lower_bound|``). Every node's G lies in ``[-Q floor,
+    0]`` (its depth is at most Q), so each factor stays within ``exp(+-Q floor / 2)``: at most
+    exp(64) at Q <= 8, exp(80) past it."""
     return torch.full_like(logs[..., :1, :], -logs.shape[-2] * floor / 2)
 
 
@@ -146,17 +148,17 @@ def verify_tree_like_sm100(
     """``kdagen.tree.verify_tree``'s contract and in-place writes (no conv), computed like a
     tree kernel built on the sm100 chain kernel (see the module docstring); windows up to 16.
     ``softplus_floor`` overrides ``tree_softplus_floor(Q)`` (a study knob, not a contract);
-    ``shifted``: the couplings relative to ``shifted_reference``, as the softplus tree kernels
-    take them (the softplus gate, Q <= 8)."""
+    ``shifted``: the couplings relative to ``shifted_reference``, as the Hopper kernels take
+    them (softplus trees at Q <= 8; both gates, chains too, past Q = 8)."""
     check_tree_verify(args, parents, op=OP)
     if args.conv_state is not None:
         raise KdaInputError(f"{OP}: the fused convolution is not emulated in tree mode")
     state, lower_bound, window = args.state, args.lower_bound, args.corr.shape[2]
     if state.dtype != BF16:  # the tensor cores read the pool as it is
         raise KdaInputError(f"{OP}: `state` must be bf16 (the kernel's pool), got {state.dtype}")
-    if shifted and (lower_bound is not None or window > 8):
-        raise KdaInputError(f"{OP}: `shifted` is the softplus tree kernels' reference at Q <= "
-                            f"8; got lower_bound {lower_bound}, Q {window}")  # fmt: skip
+    if shifted and lower_bound is not None and window <= 8:
+        raise KdaInputError(f"{OP}: `shifted` with the bounded gate is the Hopper kernels' "
+                            f"reference past Q = 8; got Q {window}")  # fmt: skip
     if lower_bound is not None and window * lower_bound < -2 * REBASE_RANGE:
         raise KdaInputError(
             f"{OP}: `lower_bound` x Q must be >= -{2 * REBASE_RANGE:g} (the log decays' span "
@@ -176,7 +178,10 @@ def verify_tree_like_sm100(
     logs = tree_log_decay(gates, tree)
     decay = torch.exp(logs)
     proj = _project(state[req.slot], torch.cat([decay * tok.k_n, decay * tok.q_n], dim=-2))
-    ref = shifted_reference(logs, floor) if shifted else rebase_reference(logs, lower_bound)
+    if shifted:
+        ref = shifted_reference(logs, floor if lower_bound is None else -lower_bound)
+    else:
+        ref = rebase_reference(logs, lower_bound)
     near = torch.exp(logs - ref)
     ancestors = ancestor_matrix(ancestor_bits(tree))[:, None]  # [B, 1, Q, Q]
     c, d = _couplings(torch.exp(ref - logs) * tok.k_n, near * tok.k_n, near * tok.q_n, ancestors)

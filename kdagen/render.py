@@ -110,6 +110,14 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["pdl"] = variant.pdl
         context["conv"] = variant.conv
         context["tree"] = variant.tree
+        # Past 8 tokens: a second coupling tile of tokens 8..15 (w rows per tile set), and
+        # the couplings' factors relative to a constant for either gate (``shifted``).
+        wide = variant.window > 8
+        context["wide"] = wide
+        context["w_rows"] = 16 if wide else 8
+        context["beta_slots"] = max(8, variant.window)
+        context["couple"] = wide or variant.gate == "softplus"
+        context["shifted"] = wide or (variant.tree and variant.gate == "softplus")
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context

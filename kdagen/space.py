@@ -24,7 +24,7 @@ SPACE_DIR = data_dir("search_spaces")
 # The shipped spaces: what `kdagen check` verifies and the tuned tables choose from.
 DEFAULT_SPACES = (
     "commit.yaml", "verify_sm90.yaml", "verify_sm100.yaml",
-    "verify_tree_sm90.yaml", "verify_tree_sm100.yaml",
+    "verify_tree_sm90.yaml", "verify_tree_sm100.yaml", "verify_wide_sm90.yaml",
 )  # fmt: skip
 
 

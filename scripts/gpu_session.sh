@@ -9,7 +9,9 @@
 # bench_model (the all-layer commit and decode step of a 69-layer model), bench_gate (the
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
 # bench_tree (the Hopper tree verify: every variant's check; H12 Q8 tree variants beside
-# their chain twins, FlashInfer's chain as the peer). Every step logs to
+# their chain twins, FlashInfer's chain as the peer), check_wide and bench_wide (windows of 9 to
+# 16: every variant's check; H12 Q16 chains against FlashInfer, trees beside their chain
+# twins). Every step logs to
 # OUTDIR (packed into OUTDIR/logs-<time>.tgz at the end); a short summary is printed last.
 # Env: COMPILE_SPACES (space names, e.g. "verify_sm90.yaml commit.yaml"; default: every
 # shipped space), COMPILE_MATCH (only variants whose name contains it, or one of a,b,...),
@@ -63,6 +65,7 @@ has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_MAT
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
 has check_tree && TAIL=6 step check_tree sharded_check verify_tree_sm90.yaml tree
+has check_wide && TAIL=6 step check_wide sharded_check verify_wide_sm90.yaml wide
 has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
 benches="${BENCHES:-h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv}"
 bench_verify() { local name=$1 tail=$2; shift 2; [[ " $benches " == *" $name "* ]] || return 0
@@ -85,6 +88,12 @@ if has bench_tree; then  # each tree variant beside its chain twin, on the same 
   TAIL=20 step bench_tree kdagen bench --space verify_tree_sm90.yaml --tree both --heads 12 --window 8 \
     --batches 1,16,64,256,512 --out "$out/bench_tree_h12_q8.json"
 fi
+if has bench_wide; then  # Q = 16: chains against FlashInfer, trees beside their chain twins
+  TAIL=12 step bench_wide_chain kdagen bench --space verify_wide_sm90.yaml --heads 12 --window 16 \
+    --batches 1,4,16,64,256,512 --out "$out/bench_wide_h12_q16.json"
+  TAIL=16 step bench_wide_tree kdagen bench --space verify_wide_sm90.yaml --tree both --heads 12 --window 16 \
+    --batches 1,16,64,256,512 --no-peers --out "$out/bench_wide_tree_h12_q16.json"
+fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"
 fi
@@ -92,7 +101,7 @@ if has tune; then
   mkdir -p "$out/gen" && cp -rp generated/nvidia-* "$out/gen/"  # resume: re-measure what changed
   # What this call's check (and CHECK_RESUME's) passed is timed without checking it again.
   checked=(); for f in "$out"/check_*.json "${CHECK_RESUME:-/nonexistent}"/*.json; do [[ -f $f ]] && checked+=(--checked "$f"); done
-  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space verify_tree_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" "${checked[@]}" ${TUNE_ARGS:-}
+  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space verify_tree_sm90.yaml --space verify_wide_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" "${checked[@]}" ${TUNE_ARGS:-}
   cp -rp "$out"/gen/nvidia-* generated/ && tar czf "$out/gen.tgz" -C "$out/gen" .
 fi
 if has bench_model; then

@@ -23,6 +23,11 @@ from .validate import KdaInputError, check_scalar, check_state, check_tensor
 # gate saturated (H 12, Q 8): out rel-L2 8.6e-5 at G = -72 (5.6e-5 at -40), 2.7e-4 at -80,
 # 3.1e-2 at -86.4 and NaN at -96 (exp(G) flushed to zero).
 MAX_LOG_DECAY = 72.0
+# Past 8 tokens the kernels take the couplings relative to half the window's deepest log
+# decay (-Q lower_bound / 2), so each factor stays within exp(+-80) for Q x lower_bound down to
+# -160, and only the state's probes underflow, where the recurrence decays the state away.
+MAX_WIDE_LOG_DECAY = 160.0
+MAX_WINDOW = 16  # verify's and commit's windows: 1..16 tokens
 
 # The result buffers' dtypes the oracles also take (``float_results``).
 _FLOATS = (torch.bfloat16, torch.float32, torch.float64)
@@ -113,17 +118,23 @@ class Checked:
 
 def gate_of(op: str, lower_bound: float | None, window: int | None = None) -> str:
     """The gate contract field ``lower_bound`` selects: a negative float is Kimi-K3's bounded
-    gate (``kda``), within ``MAX_LOG_DECAY`` over a window of ``window`` tokens when given;
-    None is Kimi-Linear's unbounded softplus gate, which the kernels take as it is."""
+    gate (``kda``), within ``max_log_decay(window)`` over a window of ``window`` tokens
+    when given; None is Kimi-Linear's unbounded softplus gate, which the kernels take as it is."""
     if lower_bound is None:
         return "softplus"
     check_scalar(op, "lower_bound", lower_bound, float, negative=True)
-    if window is not None and lower_bound * window < -MAX_LOG_DECAY:
+    if window is not None and lower_bound * window < -max_log_decay(window):
         raise KdaInputError(
-            f"{op}: `lower_bound` x Q must be >= -{MAX_LOG_DECAY:g} (the window's log decay "
-            f"and its exp must stay inside fp32's normal range), got {lower_bound:g} x {window}"
+            f"{op}: `lower_bound` x Q must be >= -{max_log_decay(window):g} at Q = {window} "
+            f"(the closed form's factors must stay inside fp32's normal range), got "
+            f"{lower_bound:g} x {window}"
         )
     return "kda"
+
+
+def max_log_decay(window: int) -> float:
+    """The deepest log decay (``-Q x lower_bound``) the kernels take at a window of ``window``."""
+    return MAX_LOG_DECAY if window <= 8 else MAX_WIDE_LOG_DECAY
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -131,11 +142,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_records(op: str, corr: object, batch: int, heads: int) -> int:
-    """corr's rank and window (1..8), before its full check; returns the window Q."""
-    if not (isinstance(corr, torch.Tensor) and corr.dim() == 4 and 1 <= corr.shape[2] <= 8):
+    """corr's rank and window (1..MAX_WINDOW), before its full check; returns the window Q."""
+    if not (
+        isinstance(corr, torch.Tensor) and corr.dim() == 4 and 1 <= corr.shape[2] <= MAX_WINDOW
+    ):
         shape = list(corr.shape) if isinstance(corr, torch.Tensor) else type(corr).__name__
         raise KdaInputError(
-            f"{op}: `corr` must have shape [rows>={batch}, {heads}, Q (1..8), 128], got {shape}"
+            f"{op}: `corr` must have shape [rows>={batch}, {heads}, Q (1..{MAX_WINDOW}), 128], "
+            f"got {shape}"
         )
     return corr.shape[2]
 
@@ -275,12 +289,12 @@ def _check_parents(
 ) -> bool:
     """A token tree's ``parents`` [T] int32 (each token's parent position in its window, -1
     at the root; the kernels treat any other value that is not an earlier position as -1):
-    the tree kernels take either gate without conv, windows of 2 to 8 tokens."""
+    the tree kernels take either gate without conv, windows of 2 to 16 tokens."""
     check_tensor(op, "parents", args.parents, dims=[tokens], dtypes=[torch.int32],
                  device=device)  # fmt: skip
     if fields["conv"] or fields["window"] < 2:
         raise KdaInputError(
             f"{op}: `parents` (a token tree) needs no conv tensors and a window "
-            f"(corr.shape[2]) of 2 to 8; got conv {fields['conv']}, window {fields['window']}"
+            f"(corr.shape[2]) of 2 to 16; got conv {fields['conv']}, window {fields['window']}"
         )
     return True

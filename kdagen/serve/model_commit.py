@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import gate_of
+from .contract import MAX_WINDOW, gate_of
 from .runtime import _resolve_variant, check_path, kernel_lower_bound, launch_commit
 from .validate import KdaInputError, check_scalar, check_state, check_tensor
 from .variant import Variant
@@ -74,10 +74,12 @@ def _check_records(
     """corr [rows, H, Q, 128] fp32 and kg [rows, H, Q, 256] bf16 per layer: each row's block
     contiguous, the row stride may be padded (a vLLM cache page) but keeps 16-byte rows."""
     first = corrs[0]
-    if not (isinstance(first, torch.Tensor) and first.dim() == 4 and 1 <= first.shape[2] <= 8):
+    if not (
+        isinstance(first, torch.Tensor) and first.dim() == 4 and 1 <= first.shape[2] <= MAX_WINDOW
+    ):
         shape = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
-        raise KdaInputError(f"{op}: `corrs[0]` must have shape [rows, {heads}, Q (1..8), 128], "
-                            f"got {shape}")  # fmt: skip
+        raise KdaInputError(f"{op}: `corrs[0]` must have shape [rows, {heads}, Q "
+                            f"(1..{MAX_WINDOW}), 128], got {shape}")  # fmt: skip
     rows, window = first.shape[0], first.shape[2]
     for name, tensors, width, dtype, step in (
         ("corrs", corrs, K, torch.float32, 4), ("kgs", kgs, 2 * K, torch.bfloat16, 8),

@@ -281,8 +281,15 @@ def default_verify_variant(
         "gate": gate, "tree": tree,
     }  # fmt: skip
     if arch == "sm_100a":
+        if window > 8:
+            raise KdaInputError(
+                f"kdagen.verify: windows past 8 tokens (corr.shape[2] = {window}) have Hopper "
+                "kernels only; the Blackwell (sm_100a) verify takes windows of 1..8"
+            )
         return Variant(**contract, path="sm100_tcgen05", ctas=740)
     sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if window > 8:  # 255 registers a thread: two resident CTAs, one per item (split ones spill)
+        return Variant(**contract, path="sm90_wgmma", row_split=1, ctas=2 * sms, stages=1)
     split = 2 if not conv and batch * heads < 2 * sms else 1
     # A tree kernel takes 166-168 registers at Q = 8: 3 resident CTAs (4 spill when split).
     resident = _SM90_RESIDENT[conv or tree or (gate == "softplus" and window > 4)]

@@ -46,7 +46,9 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "stages": (1, 2),  # state buffers in shared memory: 2 loads the next item's state earlier
     "pdl": (False, True),
 }
-_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 8), "ctas": (1, 1 << 16)}
+_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 16), "ctas": (1, 1 << 16)}
+# The widest window each kernel path computes (its coupling tiles and the range of its factors).
+_MAX_WINDOW = {"sm90_wgmma": 16}
 
 
 @dataclass(frozen=True)
@@ -318,6 +320,12 @@ def _check_path_rules(v: Variant) -> None:
         raise VariantError(
             f"tree=True needs conv=False and window >= 2; got conv={v.conv}, window={v.window}"
         )
+    most = _MAX_WINDOW.get(v.path, 8) if v.kernel == "verify" else 16
+    if v.window > most:
+        raise VariantError(
+            f"window={v.window} is not allowed for path {v.path!r}: its kernels compute "
+            f"windows of 1..{most} tokens"
+        )
     if v.kernel == "commit":
         _check_commit_rules(v)
     if v.path == "sm90_wgmma":
@@ -344,12 +352,12 @@ def _check_sm90_verify_rules(v: Variant) -> None:
             f"threads={v.threads} is not allowed for path 'sm90_wgmma' (one or two "
             "warpgroups); allowed values: [128, 256]"
         )
-    if v.threads == 256 and (v.row_split != 1 or v.conv or v.window < 2):
+    if v.threads == 256 and (v.row_split != 1 or v.conv or not 2 <= v.window <= 8):
         raise VariantError(
             f"threads=256 needs row_split=1 (each warpgroup multiplies 64 of the 128 rows), "
-            f"conv=False (the two-warpgroup kernel has no conv) and window >= 2 (each "
-            f"warpgroup takes half the tokens); got row_split={v.row_split}, conv={v.conv}, "
-            f"window={v.window}"
+            f"conv=False (the two-warpgroup kernel has no conv) and a window of 2..8 (each "
+            f"warpgroup takes half the tokens, one coupling tile); got row_split="
+            f"{v.row_split}, conv={v.conv}, window={v.window}"
         )
     if v.row_split not in (1, 2):
         raise VariantError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from gpu_marks import HOPPER
 from test_tree import random_paths
@@ -25,10 +26,11 @@ from kdagen.testing import (
 pytestmark = HOPPER
 
 SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
-H, Q, B = 4, 8, 12
+H, B = 4, 12
 
 
-def test_speculative_loop_on_trees() -> None:
+@pytest.mark.parametrize("Q", [8, 16])
+def test_speculative_loop_on_trees(Q: int) -> None:
     """20 steps: a random tree per window (padding requests among them), the kernels' tree
     verify, a random accepted root path per request, the path commit; the same loop on the
     fp64 tree reference. Outputs every step and the state at the end agree."""
@@ -56,10 +58,11 @@ def test_speculative_loop_on_trees() -> None:
     assert (got - want).norm() <= 1e-2 * want.norm(), f"seed {SEED}"
 
 
-def test_a_chain_given_as_a_tree_gives_the_chain_kernels_results() -> None:
+@pytest.mark.parametrize("Q", [8, 16])
+def test_a_chain_given_as_a_tree_gives_the_chain_kernels_results(Q: int) -> None:
     """Parents t - 1: the tree kernel's sums are the chain kernel's, in the same order (same
     tuning point), so out and corr agree to fp32 rounding and kg bit for bit."""
-    tuning = "sm90_wgmma-t128-r1-c396-s1-pdl"
+    tuning = f"sm90_wgmma-t128-r1-c{396 if Q <= 8 else 264}-s1-pdl"
     inputs = make_verify_inputs(16, 12, Q, device="cuda", seed=SEED, tree=True)
     chain = random_parents(inputs["qlen"], torch.Generator(), chain=True)
     inputs["parents"].copy_(chain)

@@ -24,9 +24,11 @@ from .validate import KdaInputError, check_scalar, check_state, check_tensor
 # 3.1e-2 at -86.4 and NaN at -96 (exp(G) flushed to zero).
 MAX_LOG_DECAY = 72.0
 # Past 8 tokens the kernels take the couplings relative to half the window's deepest log
-# decay (-Q lower_bound / 2), so each factor stays within exp(+-80) for Q x lower_bound down to
-# -160, and only the state's probes underflow, where the recurrence decays the state away.
-MAX_WIDE_LOG_DECAY = 160.0
+# decay (-Q lower_bound / 2), so each factor stays within exp(+-64) for Q x lower_bound down to
+# -128, and only the state's probes underflow, where the recurrence decays the state away.
+# Measured on the H200 (Q 9-16, every gate saturated): at -160 (factors to exp(+-80)) the bf16
+# low halves of the smallest factors turn subnormal and out's element-wise error reached 4.8e-2.
+MAX_WIDE_LOG_DECAY = 128.0
 MAX_WINDOW = 16  # verify's and commit's windows: 1..16 tokens
 
 # The result buffers' dtypes the oracles also take (``float_results``).
@@ -121,6 +123,11 @@ def gate_of(op: str, lower_bound: float | None, window: int | None = None) -> st
     gate (``kda``), within ``max_log_decay(window)`` over a window of ``window`` tokens
     when given; None is Kimi-Linear's unbounded softplus gate, which the kernels take as it is."""
     if lower_bound is None:
+        if window is not None and window > 8:
+            raise KdaInputError(
+                f"{op}: Kimi-Linear's softplus gate (lower_bound None) takes windows of 1..8 "
+                f"tokens; got Q = {window}"
+            )
         return "softplus"
     check_scalar(op, "lower_bound", lower_bound, float, negative=True)
     if window is not None and lower_bound * window < -max_log_decay(window):

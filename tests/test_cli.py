@@ -52,9 +52,9 @@ def test_render_prints_the_module() -> None:
 
 
 def test_render_bad_name_says_why() -> None:
-    result = runner.invoke(app, ["render", "commit-h12-q9-i32-bulk-t128-v8-r1-pdl"])
+    result = runner.invoke(app, ["render", "commit-h12-q17-i32-bulk-t128-v8-r1-pdl"])
     assert result.exit_code != 0
-    assert "window=9 is not allowed" in _flat(result.output)
+    assert "window=17 is not allowed" in _flat(result.output)
 
 
 def test_compile_prints_a_table_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

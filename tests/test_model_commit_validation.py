@@ -61,7 +61,7 @@ def test_valid_pools_table_every_layer() -> None:
             r"`states\[2\]` must match `states\[0\]`",
         ),  # fmt: skip
         ({"kgs": [torch.zeros(SLOTS, H, Q, 2 * K)] * LAYERS}, "`kgs.0.` must be bfloat16"),
-        ({"corrs": [torch.zeros(SLOTS, H, 9, K)] * LAYERS}, r"Q \(1..8\)"),
+        ({"corrs": [torch.zeros(SLOTS, H, 17, K)] * LAYERS}, r"Q \(1..16\)"),
         ({"a_logs": [torch.zeros(H + 1)] * LAYERS}, r"`a_logs\[0\]` must be float32"),
         ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
         (

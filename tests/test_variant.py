@@ -27,8 +27,8 @@ def test_contract_and_tuning_fields_are_separate() -> None:
 @pytest.mark.parametrize(
     ("changes", "field", "allowed"),
     [
-        ({"window": 9}, "window", "[1, 8]"),
-        ({"window": 0}, "window", "[1, 8]"),
+        ({"window": 17}, "window", "[1, 16]"),
+        ({"window": 0}, "window", "[1, 16]"),
         ({"kernel": "decode"}, "kernel", "'verify', 'commit'"),
         ({"slot_dtype": "int16"}, "slot_dtype", "'int32', 'int64'"),
         ({"threads": 96}, "threads", "32, 64, 128, 256, 512"),
@@ -48,6 +48,22 @@ def test_validation_names_the_field_and_the_allowed_values(changes, field, allow
 def test_cross_field_rules_of_the_commit_template() -> None:
     with pytest.raises(VariantError, match="row_split=8"):
         Variant(**BASE, threads=512, row_split=8)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("verify-h12-q9-softplus-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "gate='softplus'"),
+        ("verify-h12-q9-i32-sm90_wgmma-t256-r1-c264-s1-pdl", "a window of 2..8"),
+        ("verify-h12-q9-i32-sm100_tcgen05-c740", "windows of 1..8 tokens"),
+    ],
+)
+def test_windows_past_8_are_the_one_warpgroup_hopper_kernels_bounded_gate(
+    name: str, message: str
+) -> None:
+    with pytest.raises(VariantError, match=message):
+        Variant.parse(name)
+    assert Variant.parse("verify-h12-q16-tree-i32-sm90_wgmma-t128-r1-c264-s1-pdl").window == 16
 
 
 def test_parse_rejects_garbage_with_an_example() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdagen.serve import vllm
-from kdagen.serve.runtime import validate_verify
+from kdagen.serve.runtime import heuristic_variant, validate_verify
 from kdagen.serve.validate import KdaInputError
 from kdagen.serve.variant import Variant
 from kdagen.serve.vllm import kda_recoverssm_verify, kda_recoverssm_verify_records
@@ -67,6 +67,23 @@ def test_bad_inputs_name_the_tensor(change, message: str) -> None:
 
 def test_the_steepest_allowed_lower_bound_passes() -> None:
     assert _validate(_inputs(), lower_bound=-72.0 / Q).batch == 7
+
+
+def test_windows_past_8_take_the_bounded_gate_down_to_128() -> None:
+    """Q = 16 (the Hopper wide kernels): lower_bound x Q down to -128 passes, below it and the
+    softplus gate are refused naming the field; Blackwell has no kernel past 8 tokens."""
+    inputs = make_verify_inputs(3, H, 16, seed=2)
+    wide = VARIANT.replace(window=16, ctas=264)
+    assert _validate(inputs, wide, lower_bound=-128.0 / 16).variant == wide
+    with pytest.raises(KdaInputError, match=r"`lower_bound` x Q must be >= -128 at Q = 16"):
+        _validate(inputs, wide, lower_bound=-8.5)
+    with pytest.raises(KdaInputError, match="softplus gate .* windows of 1..8 tokens; got Q = 16"):
+        _validate(inputs, wide, lower_bound=None)
+    with pytest.raises(KdaInputError, match=r"Blackwell \(sm_100a\) verify takes windows of 1..8"):
+        validate_verify(verify_args(inputs), require_cuda=False, arch="sm_100a")
+    contract = {"heads": H, "window": 16, "slot_dtype": "int32"}
+    chosen = heuristic_variant("verify", contract, 3, arch="sm_90a", sms=132)
+    assert (chosen.ctas, chosen.row_split) == (264, 1)
 
 
 def test_conv_tensors_come_all_or_none() -> None:

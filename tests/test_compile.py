@@ -20,6 +20,7 @@ from kdagen.serve.variant import Variant
 # The commit variant whose PTX, SASS and cache entry the tests below read.
 COMMIT = Variant(kernel="commit", heads=12, window=8, threads=128, vec=8, row_split=1)
 INSPECTED = [COMMIT.name]
+WIDE_FRAME_BYTES = 96  # stack bytes the Hopper verify may park past 8 tokens
 
 
 def test_every_covered_variant_compiles_for_each_arch_it_targets(records, covered) -> None:
@@ -39,7 +40,9 @@ def test_no_variant_spills_or_uses_local_memory(records) -> None:
     or two that live across the whole item loop (read once before, once after) in local memory
     even well under the register limit (seen: 8 bytes at 72 and 128 registers). Bound that at
     two words, so a real register blow-up still fails; tests/test_sm100.py requires the
-    representative sm100 variants to have none, in the cubin and in the SASS."""
+    representative sm100 variants to have none, in the cubin and in the SASS. The Hopper
+    verify past 8 tokens runs at the 255-register ceiling: its trees park 88 bytes and its conv
+    16 (measured at Q = 16), bounded at WIDE_FRAME_BYTES."""
     commit = [
         (r.variant, r.arch, r.frame_bytes)
         for r in records
@@ -49,7 +52,9 @@ def test_no_variant_spills_or_uses_local_memory(records) -> None:
     verify = [
         (r.variant, r.frame_bytes) for r in records if r.ok and r.variant.startswith("verify")
     ]
-    assert verify and all(frame <= 8 for _, frame in verify), [v for v in verify if v[1] > 8]
+    over = [(name, frame) for name, frame in verify
+            if frame > (WIDE_FRAME_BYTES if Variant.parse(name).window > 8 else 8)]  # fmt: skip
+    assert verify and not over, over
     assert all(r.registers and 0 < r.registers <= 255 for r in records if r.ok)
 
 

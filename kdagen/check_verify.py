@@ -86,7 +86,7 @@ TREE_CASES = (
     VerifyCase("tree-star", 24, shape="star"),
 )
 # Windows past 8 with the bounded gate: every token's gate at the deepest lower_bound the
-# contract takes (G reaches -160 at the window's end), so the couplings' factors span exp(+-80).
+# contract takes (G reaches -128 at the window's end), so the couplings' factors span exp(+-64).
 WIDE_KDA_CASES = (VerifyCase("saturated", 24, gate_logits=(1.0, 30.0), deepest=True),)
 MANY_UNITS = 3600
 

@@ -134,10 +134,10 @@ def rebase_reference(logs: Tensor, lower_bound: float | None) -> Tensor:
 
 def shifted_reference(logs: Tensor, floor: float) -> Tensor:
     """The reference of the Hopper kernels that shift their couplings (``NEAR_SHIFT`` in their
-    templates: softplus trees at Q <= 8, both gates past Q = 8): the constant ``-Q floor / 2``
-    (``floor``: the softplus floor, or ``|lower_bound|``). Every node's G lies in ``[-Q floor,
-    0]`` (its depth is at most Q), so each factor stays within ``exp(+-Q floor / 2)``: at most
-    exp(64) at Q <= 8, exp(80) past it."""
+    templates: softplus trees at Q <= 8, the bounded gate past Q = 8): the constant ``-Q floor /
+    2`` (``floor``: the softplus floor, or ``|lower_bound|``). Every node's G lies in ``[-Q
+    floor, 0]`` (its depth is at most Q), so each factor stays within ``exp(+-Q floor / 2)``, at
+    most exp(64) within the contract's bounds."""
     return torch.full_like(logs[..., :1, :], -logs.shape[-2] * floor / 2)
 
 
@@ -149,7 +149,8 @@ def verify_tree_like_sm100(
     tree kernel built on the sm100 chain kernel (see the module docstring); windows up to 16.
     ``softplus_floor`` overrides ``tree_softplus_floor(Q)`` (a study knob, not a contract);
     ``shifted``: the couplings relative to ``shifted_reference``, as the Hopper kernels take
-    them (softplus trees at Q <= 8; both gates, chains too, past Q = 8)."""
+    them (softplus trees at Q <= 8; the bounded gate, chains too, past Q = 8; the softplus gate
+    past 8 is a study, no kernel takes it)."""
     check_tree_verify(args, parents, op=OP)
     if args.conv_state is not None:
         raise KdaInputError(f"{OP}: the fused convolution is not emulated in tree mode")

@@ -110,8 +110,9 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["pdl"] = variant.pdl
         context["conv"] = variant.conv
         context["tree"] = variant.tree
-        # Past 8 tokens: a second coupling tile of tokens 8..15 (w rows per tile set), and
-        # the couplings' factors relative to a constant for either gate (``shifted``).
+        # Past 8 tokens (the bounded gate only): a second coupling tile of tokens 8..15 (16 w
+        # rows per probe), and the couplings' factors relative to a constant (``shifted``), as
+        # the softplus trees take theirs.
         wide = variant.window > 8
         context["wide"] = wide
         context["w_rows"] = 16 if wide else 8

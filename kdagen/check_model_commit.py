@@ -20,6 +20,7 @@ from kdagen.cases import random_root_paths, scatter_along
 from kdagen.check import COMMIT_MAX_REL, COMMIT_REL_L2, CaseResult
 from kdagen.serve.variant import Variant
 from kdagen.testing import bits, lower_bound_for, poison_
+from kdagen.tree import compact_history
 
 first_use.enable()  # the launches here compile their kernels on first use
 
@@ -40,6 +41,7 @@ class ModelCase:
     dim_first: bool = False  # conv state layout
     outside: bool = False  # slots, request indices and table entries outside their tensors
     tree: bool = False  # the accepted tokens as a token tree's path
+    conv: bool = False  # a conv state without vLLM's plan (a tree's: compacted along its path)
 
 
 MODEL_CASES = (
@@ -48,6 +50,11 @@ MODEL_CASES = (
     ModelCase("vllm-align", 7, 3, vllm=True, align=True, dim_first=True),
     ModelCase("outside", 10, 2, vllm=True, align=True, outside=True),
     ModelCase("tree-path", 9, 3, tree=True),
+)
+# The tree commit kernel's: ModelCommit runs it for paths with conv states only.
+TREE_MODEL_CASES = (
+    ModelCase("tree-conv", 9, 3, tree=True, conv=True),
+    ModelCase("tree-conv-dim-first", 7, 2, tree=True, conv=True, dim_first=True),
 )
 
 
@@ -122,7 +129,7 @@ def make_model_inputs(case: ModelCase, heads: int, window: int, slot_dtype: torc
         layers["corrs"].append(corr)
         layers["kgs"].append(kg)
         layers["buffers"] += [s_buf, c_buf, k_buf]
-        if case.vllm:
+        if case.vllm or case.conv:
             shape = (slot_count, 3 * heads * K, window + 2) if case.dim_first else (
                 slot_count, window + 2, 3 * heads * K)  # fmt: skip
             conv, v_buf = _guarded(shape, torch.bfloat16, 0, device_gen)
@@ -193,10 +200,16 @@ def run_model_case(variant: Variant, case: ModelCase, seed: int) -> CaseResult:
     reference.commit_layers(
         expected, inputs["corrs"], inputs["kgs"], torch.stack(inputs["a_logs"]),
         torch.stack(inputs["dt_biases"]), inputs["plan"], lower_bound=lower_bound,
-        conv_states=views or None,
+        conv_states=None if case.tree else views or None,
     )  # fmt: skip
-    # A tree case folds the same tokens, their records scattered along the paths.
+    # A tree case folds the same tokens, their records scattered along the paths; its conv
+    # history is the path's last three tokens.
     path = {"path": _along_paths(inputs, seed)} if case.tree else {}
+    if case.tree:
+        plan = inputs["plan"]
+        for view in views:
+            compact_history(view, plan.source[plan.live], path["path"][plan.live].long(),
+                            plan.count[plan.live], dim_first=True)  # fmt: skip
     start = [b.clone() for b in buffers]
     result = CaseResult(variant.name, f"model-{case.name}", 0.0, 0.0, 0.0, True, True)
     try:
@@ -275,7 +288,8 @@ def _buffer_index(inputs: dict, layer: int, kind: int) -> int:
 
 def check_model_commit(variant: Variant, seed: int = 0) -> list[CaseResult]:
     """Every all-layer case, each on fresh random inputs."""
-    return [run_model_case(variant, case, seed + 100 + i) for i, case in enumerate(MODEL_CASES)]
+    cases = TREE_MODEL_CASES if variant.tree else MODEL_CASES
+    return [run_model_case(variant, case, seed + 100 + i) for i, case in enumerate(cases)]
 
 
 __all__ = ["COMMIT_MAX_REL", "COMMIT_REL_L2", "MODEL_CASES", "ModelCase", "check_model_commit"]

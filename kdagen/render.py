@@ -121,6 +121,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["shifted"] = wide or (variant.tree and variant.gate == "softplus")
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
+    else:
+        context["tree"] = variant.tree  # commit: the history rows along a tree's accepted path
     return context
 
 

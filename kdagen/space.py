@@ -23,8 +23,9 @@ from kdagen.serve.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, Varian
 SPACE_DIR = data_dir("search_spaces")
 # The shipped spaces: what `kdagen check` verifies and the tuned tables choose from.
 DEFAULT_SPACES = (
-    "commit.yaml", "verify_sm90.yaml", "verify_sm100.yaml",
-    "verify_tree_sm90.yaml", "verify_tree_sm100.yaml", "verify_wide_sm90.yaml",
+    "commit.yaml", "commit_tree.yaml", "verify_sm90.yaml", "verify_sm100.yaml",
+    "verify_tree_sm90.yaml", "verify_tree_conv_sm90.yaml", "verify_tree_sm100.yaml",
+    "verify_wide_sm90.yaml",
 )  # fmt: skip
 
 

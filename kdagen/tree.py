@@ -333,11 +333,11 @@ def commit_path_layers(
     commit_layers(states, chain_corrs, chain_kgs, a_log, dt_bias, chain_plan,
                   lower_bound=lower_bound, compute_dtype=compute_dtype)  # fmt: skip
     for conv in conv_states or []:
-        _compact_history(conv, plan.source[plan.live], steps[plan.live], plan.count[plan.live],
+        compact_history(conv, plan.source[plan.live], steps[plan.live], plan.count[plan.live],
                          conv_dim_first)  # fmt: skip
 
 
-def _compact_history(
+def compact_history(
     conv: Tensor, slot: Tensor, steps: Tensor, count: Tensor, dim_first: bool
 ) -> None:
     """Rows 0..2 of each slot <- the last three of (rows 0, 1, then rows 2 + path)."""

@@ -9,7 +9,10 @@
 # bench_model (the all-layer commit and decode step of a 69-layer model), bench_gate (the
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
 # bench_tree (the Hopper tree verify: every variant's check; H12 Q8 tree variants beside
-# their chain twins, FlashInfer's chain as the peer), check_wide and bench_wide (windows of 9 to
+# their chain twins, FlashInfer's chain as the peer), check_tree_conv and bench_tree_conv (the
+# conv trees' check; H12 Q8 and Q16 conv trees beside their conv chain twins), check_commit_tree (the
+# tree commit's check: the conv history along the path),
+# check_wide and bench_wide (windows of 9 to
 # 16: every variant's check; H12 Q16 chains against FlashInfer, trees beside their chain
 # twins). Every step logs to
 # OUTDIR (packed into OUTDIR/logs-<time>.tgz at the end); a short summary is printed last.
@@ -64,7 +67,9 @@ spaces=(); for name in ${COMPILE_SPACES:-}; do spaces+=(--space "$name"); done
 has compile && step compile kdagen compile --arch sm_90a --jobs 16 ${COMPILE_MATCH:+--match "$COMPILE_MATCH"} "${spaces[@]}"
 has check && TAIL=6 step check_verify sharded_check verify_sm90.yaml verify
 has check_commit && TAIL=6 step check_commit sharded_check commit.yaml commit
+has check_commit_tree && TAIL=6 step check_commit_tree sharded_check commit_tree.yaml commit_tree
 has check_tree && TAIL=6 step check_tree sharded_check verify_tree_sm90.yaml tree
+has check_tree_conv && TAIL=6 step check_tree_conv sharded_check verify_tree_conv_sm90.yaml tree_conv
 has check_wide && TAIL=6 step check_wide sharded_check verify_wide_sm90.yaml wide
 has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
 benches="${BENCHES:-h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv}"
@@ -87,6 +92,12 @@ fi
 if has bench_tree; then  # each tree variant beside its chain twin, on the same inputs
   TAIL=20 step bench_tree kdagen bench --space verify_tree_sm90.yaml --tree both --heads 12 --window 8 \
     --batches 1,16,64,256,512 --out "$out/bench_tree_h12_q8.json"
+fi
+if has bench_tree_conv; then  # conv trees beside their conv chain twins (vLLM's conv layout)
+  TAIL=16 step bench_tree_conv kdagen bench --space verify_tree_conv_sm90.yaml --tree both --conv --heads 12 --window 8 \
+    --match tm-bf16-i32 --batches 1,16,64,256,512 --no-peers --out "$out/bench_tree_conv_h12_q8.json"
+  TAIL=16 step bench_tree_conv_q16 kdagen bench --space verify_wide_sm90.yaml --tree both --conv --heads 12 --window 16 \
+    --match tm-bf16-i32 --batches 1,16,64,256,512 --no-peers --out "$out/bench_tree_conv_h12_q16.json"
 fi
 if has bench_wide; then  # Q = 16: chains against FlashInfer, trees beside their chain twins
   TAIL=12 step bench_wide_chain kdagen bench --space verify_wide_sm90.yaml --heads 12 --window 16 \

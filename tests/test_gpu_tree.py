@@ -12,6 +12,7 @@ from gpu_marks import HOPPER
 from test_tree import random_paths
 
 from kdagen import reference, tree
+from kdagen.serve.model_commit import ModelCommit
 from kdagen.serve.runtime import commit, run_verify
 from kdagen.testing import (
     bits,
@@ -29,15 +30,23 @@ SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 H, B = 4, 12
 
 
-@pytest.mark.parametrize("Q", [8, 16])
-def test_speculative_loop_on_trees(Q: int) -> None:
+@pytest.mark.parametrize(("Q", "conv"), [(8, False), (16, False), (8, True), (16, True)])
+def test_speculative_loop_on_trees(Q: int, conv: bool) -> None:
     """20 steps: a random tree per window (padding requests among them), the kernels' tree
     verify, a random accepted root path per request, the path commit; the same loop on the
-    fp64 tree reference. Outputs every step and the state at the end agree."""
+    fp64 tree reference. Outputs every step and the state at the end agree. With the fused
+    conv, every token convolves over its root path, the commit (``ModelCommit``, one layer)
+    moves the path's last three tokens into the history rows (the next verify reads them
+    with ``accepted = 1``), and the conv state equals the reference's bit for bit each step."""
     gen = torch.Generator().manual_seed(SEED)
-    inputs = make_verify_inputs(B, H, Q, device="cuda", seed=SEED, ragged=False, tree=True)
+    inputs = make_verify_inputs(B, H, Q, device="cuda", seed=SEED, ragged=False, tree=True,
+                                conv=conv)  # fmt: skip
     ref = clone_inputs(inputs)
     ref["state"] = ref["state"].double()
+    if conv:
+        model = ModelCommit([inputs["state"]], [inputs["corr"]], [inputs["kg"]],
+                            [inputs["a_log"]], [inputs["dt_bias"]],
+                            lower_bound=inputs["lower_bound"], conv_states=[inputs["conv_state"]])  # fmt: skip
     for step in range(20):
         if step:  # a fresh tree and activations, the same pool and slots
             fresh = make_verify_inputs(B, H, Q, device="cuda", seed=SEED + step, ragged=False,
@@ -48,12 +57,24 @@ def test_speculative_loop_on_trees(Q: int) -> None:
         run_verify(verify_args(inputs))
         reference.verify(verify_args(ref), compute_dtype=torch.float64)
         path, accepted = (t.cuda() for t in random_paths(ref, ref["parents"], gen))
-        commit(inputs["state"], inputs["corr"], inputs["kg"], inputs["a_log"], inputs["dt_bias"],
-               inputs["slots"], accepted, lower_bound=inputs["lower_bound"], path=path)  # fmt: skip
-        tree.commit_path(commit_args(ref, accepted), path, compute_dtype=torch.float64)
+        if conv:
+            model.commit(inputs["slots"], accepted, path=path)
+            tree.commit_path(commit_args(ref, accepted), path, conv_state=ref["conv_state"],
+                             compute_dtype=torch.float64)  # fmt: skip
+            inputs["accepted"].fill_(1)  # the history now sits in rows 0..2
+            ref["accepted"].fill_(1)
+        else:
+            commit(inputs["state"], inputs["corr"], inputs["kg"], inputs["a_log"],
+                   inputs["dt_bias"], inputs["slots"], accepted,
+                   lower_bound=inputs["lower_bound"], path=path)  # fmt: skip
+            tree.commit_path(commit_args(ref, accepted), path, compute_dtype=torch.float64)
         torch.cuda.synchronize()
         got, want = inputs["out"].double(), ref["out"].double()
         assert (got - want).norm() <= 1e-2 * want.norm(), f"step {step}, seed {SEED}"
+        if conv:
+            assert torch.equal(bits(inputs["conv_state"]), bits(ref["conv_state"])), (
+                f"conv state, step {step}, seed {SEED}"
+            )
     got, want = inputs["state"].double(), ref["state"]
     assert (got - want).norm() <= 1e-2 * want.norm(), f"seed {SEED}"
 

@@ -39,6 +39,12 @@ COMPILED = [  # the window's extremes, both splits, both stage counts, both grid
     "verify-h96-q3-tree-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
     "verify-h32-q8-softplus-tree-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
 ]
+CONV_TREE = Space.load("verify_tree_conv_sm90.yaml").expand().variants
+CONV_COMPILED = [  # each token's conv over its root path: both tap dtypes and layouts
+    "verify-h12-q8-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+    "verify-h16-q8-softplus-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+    "verify-h96-q3-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
+]
 
 
 def test_names_parse_back_and_the_space_is_one_warpgroup_without_conv() -> None:
@@ -53,16 +59,20 @@ def test_names_parse_back_and_the_space_is_one_warpgroup_without_conv() -> None:
     ("fields", "message"),
     [
         ({"threads": 256, "ctas": 264}, "tree=True needs threads=128"),
-        ({"conv": True}, "tree=True needs conv=False and window >= 2"),
-        ({"window": 1}, "tree=True needs conv=False and window >= 2"),
+        ({"window": 1}, "tree=True needs a window of at least 2 tokens"),
     ],
 )
 def test_tree_rules(fields: dict, message: str) -> None:
     base = dict(kernel="verify", heads=12, window=8, tree=True, path="sm90_wgmma", ctas=396)
     with pytest.raises(VariantError, match=message):
         Variant(**(base | fields))
-    with pytest.raises(VariantError, match="tree=True is not allowed for kernel 'commit'"):
-        Variant(kernel="commit", heads=12, window=8, tree=True)
+    with pytest.raises(VariantError, match="tree=True needs a window of at least 2 tokens"):
+        Variant(kernel="commit", heads=12, window=1, tree=True)
+    # A conv tree and the commit that moves its history along the path are variants.
+    assert Variant(**(base | {"conv": True})).contract_key == "verify-h12-q8-tree-conv-tm-bf16-i32"
+    assert Variant(kernel="commit", heads=12, window=8, tree=True).contract_key == (
+        "commit-h12-q8-tree-i32"
+    )
 
 
 def test_chain_renders_carry_no_tree_code() -> None:
@@ -76,10 +86,17 @@ def test_chain_renders_carry_no_tree_code() -> None:
     assert names[names.index("slots") + 1] == "parents"
 
 
-def test_tree_kernels_compile_without_spills(cache: Path) -> None:
-    records = kcompile.compile_many([Variant.parse(n) for n in COMPILED], ["sm_90a"], jobs=2,
+def test_the_conv_tree_space() -> None:
+    assert len(CONV_TREE) == 140 and set(CONV_COMPILED) <= {v.name for v in CONV_TREE}
+    assert all(v.tree and v.conv and (v.threads, v.row_split) == (128, 1) for v in CONV_TREE)
+    assert {v.gate for v in CONV_TREE} == {"kda", "softplus"}
+
+
+@pytest.mark.parametrize("names", [COMPILED, CONV_COMPILED], ids=["trees", "conv-trees"])
+def test_tree_kernels_compile_without_spills(cache: Path, names: list[str]) -> None:
+    records = kcompile.compile_many([Variant.parse(n) for n in names], ["sm_90a"], jobs=2,
                                     root=cache)  # fmt: skip
-    assert [r.variant for r in records if r.ok] == COMPILED, [r.error for r in records]
+    assert [r.variant for r in records if r.ok] == names, [r.error for r in records]
     for r in records:
         v = Variant.parse(r.variant)
         assert r.frame_bytes == 0, r.variant
@@ -91,6 +108,8 @@ SM100_COMPILED = [
     "verify-h12-q8-tree-i32-sm100_tcgen05-c740",
     "verify-h96-q3-tree-i64-sm100_tcgen05-c740",
     "verify-h32-q8-softplus-tree-i32-sm100_tcgen05-c740",
+    "verify-h12-q8-tree-conv-tm-bf16-i32-sm100_tcgen05-c740",
+    "verify-h16-q2-softplus-tree-conv-df-fp32-i32-sm100_tcgen05-c740",
 ]
 
 
@@ -98,7 +117,7 @@ def test_the_blackwell_tree_kernels_compile_without_spills(cache: Path) -> None:
     """The sm100 template's tree mode (compiled and inspected only, like every sm_100a
     build): the parent selects and the masked solve, and tcgen05 MMAs as in the chain."""
     space = {v.name for v in Space.load("verify_tree_sm100.yaml").expand().variants}
-    assert len(space) == 98 and set(SM100_COMPILED) <= space
+    assert len(space) == 154 and set(SM100_COMPILED) <= space
     records = kcompile.compile_many([Variant.parse(n) for n in SM100_COMPILED], ["sm_100a"],
                                     jobs=2, root=cache)  # fmt: skip
     assert [r.variant for r in records if r.ok] == SM100_COMPILED, [r.error for r in records]
@@ -126,10 +145,17 @@ def test_parents_select_the_tree_contract() -> None:
     assert chosen.tree and chosen.threads == 128 and chosen.ctas == 396
 
 
-def test_a_tree_with_conv_is_refused() -> None:
+def test_a_tree_with_conv_selects_the_conv_tree_kernel() -> None:
     inputs = make_verify_inputs(5, 2, 4, seed=3, tree=True, conv=True)
-    with pytest.raises(KdaInputError, match="needs no conv tensors"):
-        check_verify(verify_args(inputs), require_cuda=False)
+    checked = check_verify(verify_args(inputs), require_cuda=False)
+    assert checked.fields["tree"] is True and checked.fields["conv"] is True
+    chosen = default_verify_variant(2, 4, "int32", 5, arch="sm_90a", sms=132,
+                                    **{k: v for k, v in checked.fields.items()
+                                       if k not in ("heads", "window", "slot_dtype")})  # fmt: skip
+    assert chosen.tree and chosen.conv and chosen.row_split == 1 and chosen.ctas == 396
+    one = make_verify_inputs(5, 2, 1, seed=3, tree=True, conv=True)
+    with pytest.raises(KdaInputError, match="needs a window"):
+        check_verify(verify_args(one), require_cuda=False)
 
 
 def test_the_softplus_gate_takes_trees() -> None:

@@ -296,12 +296,12 @@ def _check_parents(
 ) -> bool:
     """A token tree's ``parents`` [T] int32 (each token's parent position in its window, -1
     at the root; the kernels treat any other value that is not an earlier position as -1):
-    the tree kernels take either gate without conv, windows of 2 to 16 tokens."""
+    the tree kernels take either gate, conv off or on, windows of 2 to 16 tokens."""
     check_tensor(op, "parents", args.parents, dims=[tokens], dtypes=[torch.int32],
                  device=device)  # fmt: skip
-    if fields["conv"] or fields["window"] < 2:
+    if fields["window"] < 2:
         raise KdaInputError(
-            f"{op}: `parents` (a token tree) needs no conv tensors and a window "
-            f"(corr.shape[2]) of 2 to 16; got conv {fields['conv']}, window {fields['window']}"
+            f"{op}: `parents` (a token tree) needs a window (corr.shape[2]) of 2 to 16; "
+            f"got {fields['window']}"
         )
     return True

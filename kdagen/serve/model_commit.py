@@ -229,7 +229,8 @@ class ModelCommit:
         of the block holding the last committed token, and the state at the first block
         boundary the window crosses to that block's slot (with the conv history likewise).
         After a token-tree verify, ``path`` [B, Q] int32 lists request b's accepted nodes root
-        first (no prefix caching, no conv state).
+        first (no prefix caching); the conv history then becomes the path's last three tokens
+        (rows 0..2 of the slot: the next verify takes ``accepted = 1``).
         Launches on the current stream; no allocation, no synchronisation."""
         values = self.validate_step(
             slots, accepted, query_start=query_start, request_index=request_index,
@@ -239,10 +240,12 @@ class ModelCommit:
             values |= self._path_args(path, values)
         if values["batch"] == 0:
             return
+        # The conv history along a tree's path is the tree commit kernel's (rows by path).
+        tree = path is not None and bool(self.conv_states)
         chosen = _resolve_variant(variant, "commit", self.heads, self.window,
                                   "int32" if slots.dtype == torch.int32 else "int64",
                                   self.layers * values["batch"], self.device,
-                                  gate=self.gate)  # fmt: skip
+                                  gate=self.gate, tree=tree)  # fmt: skip
         launch_commit(chosen, **values)
 
     def validate_step(
@@ -294,9 +297,8 @@ class ModelCommit:
     def _path_args(self, path: torch.Tensor, values: dict) -> dict:
         """A tree's accepted paths as the kernel's arguments (see ``commit``)."""
         op = f"{self.op}.commit"
-        if values.get("block_size") or self.conv_states:
-            raise KdaInputError(f"{op}: `path` takes no prefix caching (`block_table`) and no "
-                                "conv state compaction")  # fmt: skip
+        if values.get("block_size"):
+            raise KdaInputError(f"{op}: `path` takes no prefix caching (`block_table`)")
         check_path(op, path, values["batch"], self.window, self.device)
         return {"path": path, "by_path": 1}
 

@@ -43,16 +43,16 @@ def launcher(variant: Variant, arch: str) -> Any:
 
 
 def default_commit_variant(
-    heads: int, window: int, slot_dtype: str, batch: int, gate: str = "kda"
+    heads: int, window: int, slot_dtype: str, batch: int, gate: str = "kda", tree: bool = False
 ) -> Variant:
     """Built-in heuristic until a dispatch table is present (the H200 sweep in
     docs/history/commit.md): split each (request, head) over more CTAs while the items alone
-    cannot keep every SM's copy engine busy."""
+    cannot keep every SM's copy engine busy. ``tree``: the conv history along a tree's path."""
     items = batch * heads
     threads, row_split = (128, 4) if items < 128 else (128, 2) if items < 384 else (256, 1)
     return Variant(
         kernel="commit", heads=heads, window=window, slot_dtype=slot_dtype, gate=gate,
-        path="bulk", threads=threads, vec=4, row_split=row_split,
+        tree=tree, path="bulk", threads=threads, vec=4, row_split=row_split,
     )  # fmt: skip
 
 
@@ -101,6 +101,8 @@ def commit(
     launch. Launches on the current stream; no allocation, no synchronisation.
     After a token-tree verify, ``path`` [B, Q] int32 lists each request's accepted nodes root
     first (docs/tree-semantics.md): the kernel reads their records in that order, in place.
+    This commit leaves the conv state alone; after a conv tree, ``kdagen.ModelCommit`` (one
+    layer or many) also moves the path's last three tokens into the history rows.
     """
     args = CommitArgs(state, corr, kg, a_log, dt_bias, slots, accepted, lower_bound, null_slot)
     run_commit(args, path=path, variant=variant)
@@ -215,7 +217,8 @@ def heuristic_variant(
     heads, window, slot_dtype = contract["heads"], contract["window"], contract["slot_dtype"]
     gate = contract.get("gate", "kda")
     if kernel == "commit":
-        return default_commit_variant(heads, window, slot_dtype, batch, gate)
+        return default_commit_variant(heads, window, slot_dtype, batch, gate,
+                                      contract.get("tree", False))  # fmt: skip
     fields = ("conv", "conv_layout", "conv_weight_dtype", "tree")
     return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, sms=sms,
                                   gate=gate, **{k: contract[k] for k in fields if k in contract})  # fmt: skip
@@ -383,7 +386,7 @@ def verify(
     <= Q and live slots unique (not checked: that would synchronise). ``lower_bound``:
     Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate. ``parents`` [T] int32:
     each window is a token tree, token t's parent at window position ``parents[t]`` (-1:
-    the root; docs/tree-semantics.md); Hopper, no conv.
+    the root; docs/tree-semantics.md), conv off or on.
     Launches on the current stream; no allocation, no synchronisation.
     """
     args = VerifyArgs.from_qkv(

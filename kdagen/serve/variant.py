@@ -38,7 +38,9 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     # kda: Kimi-K3's bounded gate, lower_bound * sigmoid(...); softplus: Kimi-Linear's
     # unbounded -exp(a_log) * softplus(...) (the run-time's lower_bound=None).
     "gate": ("kda", "softplus"),
-    # a window may be a token tree (``parents``): each node's output along its root path
+    # verify: a window may be a token tree (``parents``), each node's output along its root
+    # path; commit: the conv history moved along the tree's accepted path (its rolled rows
+    # are not contiguous)
     "tree": (False, True),
     "threads": (32, 64, 128, 256, 512),
     "vec": (4, 8),  # a state row then spans 32 or 16 threads (within a warp)
@@ -311,15 +313,8 @@ def _check_path_rules(v: Variant) -> None:
             "conv=True is not allowed for kernel 'commit': the conv state is rolled by verify, "
             "commit never reads it; allowed values: [False]"
         )
-    if v.tree and v.kernel != "verify":
-        raise VariantError(
-            f"tree=True is not allowed for kernel {v.kernel!r}: token trees are verified by "
-            "verify kernels (commit takes an accepted path at run time); allowed values: [False]"
-        )
-    if v.tree and (v.conv or v.window < 2):
-        raise VariantError(
-            f"tree=True needs conv=False and window >= 2; got conv={v.conv}, window={v.window}"
-        )
+    if v.tree and v.window < 2:
+        raise VariantError(f"tree=True needs a window of at least 2 tokens; got window={v.window}")
     most = _MAX_WINDOW.get(v.path, 8)
     if v.kernel == "verify" and v.window > most:
         raise VariantError(

@@ -14,8 +14,10 @@ never compiles: it holds
 Which variants: for each key and each batch bucket the table has for it, the variant the
 run-time's own lookup picks (``dispatch.resolve`` over the built-in heuristic), so any batch
 resolves to a held kernel: between buckets the lookup takes the nearest one, and it stays
-inside the table's search space. A stale table is refused, as at run time, and so is a key
-the space does not hold (no variant of it was checked on the GPU).
+inside the table's search space. A key of a shipped space the table was not tuned with
+(windows past 8, conv trees, the tree commit) runs the built-in choice: every point of its
+shipped space is packaged. A stale table is refused, as at run time, and so is a key no
+shipped space holds (no variant of it was checked on a GPU).
 """
 
 from __future__ import annotations
@@ -88,11 +90,12 @@ def emit(
     if not arch:
         raise EmitError(f"the table in {table_dir} does not record its GPU's arch")
     keys = selected_keys(table, keys, gate)
-    choices = {key: _choices(table, key, arch) for key in keys}
+    held: set[str] = set()  # kernels packaged beyond the choices (untuned keys' whole points)
+    choices = {key: _choices(table, key, arch, held) for key in keys}
     for kernel in sorted({key.split("-", 1)[0] for key in keys}):
         where = str(table_dir / dispatch.TABLE_FILE)
         dispatch.check_fresh(table, kernel, where, first_use.SOURCE)  # against the templates
-    variants = sorted({v for by_batch in choices.values() for v in by_batch.values()})
+    variants = sorted({v for by_batch in choices.values() for v in by_batch.values()} | held)
     report = (lambda record: on_compiled(record, len(variants))) if on_compiled else None
     objects = _compile([Variant.parse(v) for v in variants], arch, jobs, report)
 
@@ -152,18 +155,25 @@ def _write_kernels(package: Path, arch: str, objects: dict[str, tuple[Path, str]
     return kernels
 
 
-def _choices(table: DispatchTable, key: str, arch: str) -> dict[int, str]:
-    """Bucket -> the variant the run-time's lookup picks for ``key`` there."""
+def _choices(table: DispatchTable, key: str, arch: str, held: set[str]) -> dict[int, str]:
+    """Bucket -> the variant the run-time's lookup picks for ``key`` there. A key of a shipped
+    space the table was not tuned with (e.g. windows past 8, conv trees) runs the built-in
+    choice: every point of its shipped space goes into ``held`` (the choice may move with
+    the batch between them), and a choice outside them is refused (never checked)."""
     from kdagen.serve import dispatch
     from kdagen.serve.runtime import heuristic_variant
 
     contract = parse_contract_key(key)
     kernel = contract.pop("kernel")
+    points: set[str] = set()
     if table.space.get(kernel) and key not in table.space[kernel]:
-        raise EmitError(
-            f"{key} is not in the search space the table was tuned from, so no variant of it was "
-            "checked on this GPU; add it to the space, run `kdagen check` and `kdagen tune`"
-        )
+        points = _shipped_points(key, arch)
+        if not points:
+            raise EmitError(
+                f"{key} is in no search space of this checkout for {arch}, so no variant of it "
+                "was checked on a GPU; add it to a space, run `kdagen check` (and `kdagen tune`)"
+            )
+        held |= points
     rows = table.entries.get(key) or table.defaults.get(kernel)
     if not rows:
         raise EmitError(f"the table has no entry for {key} and no per-GPU default for {kernel}")
@@ -173,7 +183,17 @@ def _choices(table: DispatchTable, key: str, arch: str) -> dict[int, str]:
         with warnings.catch_warnings():  # the fallbacks are the point here, not news
             warnings.simplefilter("ignore", dispatch.DispatchFallbackWarning)
             found[batch] = dispatch.resolve(table, kernel, base, batch).name
+        if points and found[batch] not in points:
+            raise EmitError(f"{key}: the built-in choice {found[batch]} is not in its shipped "
+                            "space, so it was never checked; not packaging it")  # fmt: skip
     return found
+
+
+def _shipped_points(key: str, arch: str) -> set[str]:
+    """Every variant of ``key`` in this checkout's shipped spaces that targets ``arch``."""
+    from kdagen.space import default_variants
+
+    return {v.name for v in default_variants() if v.contract_key == key and arch in v.spec.archs}
 
 
 def _compile(

@@ -156,6 +156,20 @@ def test_the_lookup_stays_inside_the_tables_search_space(fresh: Path) -> None:
     assert chosen == heuristic(heads=96)
 
 
+def test_a_key_outside_the_tuned_space_takes_the_heuristic_not_the_default(fresh: Path) -> None:
+    """A shipped space the table was not tuned with (e.g. windows past 8): the per-GPU default
+    was measured on other keys, so the built-in choice (the point those spaces check) runs."""
+    tuned = "commit-h12-q8-i32"
+    space = {"commit": {tuned: [Variant(kernel="commit", heads=12, window=8, slot_dtype="int32",
+                                        **t).name for t in (R4, R1, T256_V8)]}}  # fmt: skip
+    write_table(fresh, make_table(space=space))  # with per-GPU defaults
+    chosen, warned = pick(2, heads=32, window=4)
+    assert chosen == heuristic(heads=32, window=4)
+    assert len(warned) == 1 and "outside the search space the table was tuned with" in warned[0]
+    chosen, warned = pick(64)  # a tuned key: its entry
+    assert chosen.tuning == R1 and warned == []
+
+
 def test_no_table_for_this_gpu_uses_the_heuristic_and_warns_once() -> None:
     chosen, warned = pick(16)
     assert chosen == heuristic() and len(warned) == 1 and "no dispatch table" in warned[0]

@@ -177,8 +177,42 @@ def test_an_untuned_key_gets_only_checked_variants(tmp_path: Path) -> None:
         emitted = emit(TABLE, tmp_path, keys=[key], jobs=2)
     assert set(emitted.choices[key].values()) == {f"{key}-sm90_wgmma-t128-r1-c396-s1-pdl"}
     assert set(emitted.choices[key].values()) <= set(table.space["verify"][key])
-    with pytest.raises(EmitError, match="verify-h64-q8-i32 is not in the search space"):
+    with pytest.raises(EmitError, match="verify-h64-q8-i32 is in no search space"):
         emit(TABLE, tmp_path / "other", keys=["verify-h64-q8-i32"])
+
+
+def test_keys_of_untuned_shipped_spaces_are_packaged_whole(tmp_path: Path) -> None:
+    """Conv trees and the tree commit (shipped spaces the table was not tuned with) run the
+    built-in choice, which moves with the batch for the commit: the package holds every
+    checked point of such a key, and its run-time picks only held kernels at any batch."""
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    keys = ["verify-h12-q4-tree-conv-tm-bf16-i32", "commit-h12-q4-tree-i32"]
+    table = load_table(TABLE)
+    assert table is not None and not set(keys) & set(table.entries)
+    emitted = emit(TABLE, tmp_path, "kda_tree_kernels", keys, jobs=2)
+    assert set(emitted.variants) == {
+        f"{keys[0]}-sm90_wgmma-t128-r1-c396-s1-pdl",
+        *(f"{keys[1]}-bulk-{t}-pdl" for t in ("t128-v4-r4", "t128-v4-r2", "t256-v4-r1")),
+    }
+    result = run_isolated(
+        emitted.package,
+        """
+        import json, warnings
+        from kda_tree_kernels import dispatch, runtime
+
+        table = dispatch.load_table(dispatch.generated_root() / "nvidia-h200-sm90-132sm")
+        warnings.simplefilter("ignore")
+        chosen = {}
+        for batch in (1, 3, 8, 20, 30, 64, 100, 512, 4096):
+            for kernel, tree in (("verify", {"conv": True}), ("commit", {})):
+                contract = {"heads": 12, "window": 4, "slot_dtype": "int32", "tree": True, **tree}
+                base = runtime.heuristic_variant(kernel, contract, batch, "sm_90a", 132)
+                chosen[f"{kernel} {batch}"] = dispatch.resolve(table, kernel, base, batch).name
+        result = chosen
+        """,
+    )
+    assert set(result.values()) == set(emitted.variants), result
 
 
 def test_emit_does_not_replace_a_folder_it_did_not_write(tmp_path: Path) -> None:

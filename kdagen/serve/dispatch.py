@@ -289,8 +289,18 @@ def _choose(kernel: str, batch: int, heuristic: Callable[[], Variant], device: A
 def resolve(table: DispatchTable, kernel: str, base: Variant, batch: int) -> Variant:
     """Apply the table's entry for ``base``'s contract key at ``batch``; fall back to ``base``
     (the heuristic) when there is none or it does not fit this contract; then keep the choice
-    inside the table's search space (``inside_space``). Warns once per (key, reason) on every
-    fallback."""
+    inside the table's search space (``inside_space``). A key outside that space (a shipped
+    space the table was not tuned with, e.g. windows past 8) takes ``base``: the per-GPU
+    default was measured on other kernels' keys, and the built-in choice is the point the
+    shipped spaces check. Warns once per (key, reason) on every fallback."""
+    key = base.contract_key
+    if table.space.get(kernel) and key not in table.space[kernel]:
+        _warn_once(
+            key, "untuned-space",
+            f"{key}: outside the search space the table was tuned with on {table.fingerprint}; "
+            f"using the built-in heuristic ({base.name})",
+        )  # fmt: skip
+        return base
     return inside_space(table, kernel, _table_choice(table, kernel, base, batch))
 
 

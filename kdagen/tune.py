@@ -181,8 +181,12 @@ def space_points(spaces: Sequence[str], arch: str) -> dict[str, dict[str, list[s
 def _fits(variant: Variant, contract: dict[str, Any]) -> bool:
     """Whether ``variant`` serves the workload: every field the workload names matches (a
     field it leaves out matches any value, e.g. both slot dtypes), except ``tree``: a workload
-    that does not say ``tree: true`` speculates chains, whose kernels are not tree kernels."""
+    that does not say ``tree: true`` speculates chains, whose kernels are not tree kernels; and
+    the tree commit kernel only serves a tree with the fused conv (a tree without it commits
+    through the chain commit's studies)."""
     if variant.tree != contract.get("tree", False):
+        return False
+    if variant.kernel == "commit" and variant.tree and not contract.get("conv", False):
         return False
     ignored = IGNORED_BY_KERNEL.get(variant.kernel, ())
     return all(getattr(variant, k) == v for k, v in contract.items() if k not in ignored)

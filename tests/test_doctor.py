@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from kdagen.cli import app
 from kdagen.serve import dispatch
 from kdagen.serve.resources import data_dir
+from kdagen.space import DEFAULT_SPACES
 
 H200 = "nvidia-h200-sm90-132sm"
 H100 = "nvidia-h100-80gb-hbm3-sm90-132sm"
@@ -53,6 +54,17 @@ def test_own_fresh_table_with_every_study_tuned_exits_0(generated: Path, workloa
     assert code == 0, out
     assert f"{H200}: served by {generated / H200} (its own table" in out
     assert "8 studies of the workloads: 8 tuned, 0 fall back" in out
+
+
+def test_the_shipped_workloads_over_every_shipped_space_need_no_re_tune(generated: Path) -> None:
+    """What `kdagen regenerate` decides on: a space added without workloads of its own (e.g.
+    the tree commit, which serves conv trees only) must not turn the table incomplete."""
+    args = ["doctor", "--fingerprint", H200, "--workloads", "workloads.yaml"]
+    for space in DEFAULT_SPACES:
+        args += ["--space", space]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "0 fall back" in result.output
 
 
 def test_untuned_buckets_and_keys_are_listed_and_exit_1(generated: Path, tmp_path: Path) -> None:

@@ -148,7 +148,7 @@ def verify_tree_like_sm100(
     """``kdagen.tree.verify_tree``'s contract and in-place writes (no conv), computed like a
     tree kernel built on the sm100 chain kernel (see the module docstring); windows up to 16.
     ``softplus_floor`` overrides ``tree_softplus_floor(Q)`` (a study knob, not a contract);
-    ``shifted``: the couplings relative to ``shifted_reference``, as the Hopper kernels take
+    ``shifted``: the couplings relative to ``shifted_reference``, as both archs' kernels take
     them (softplus trees at Q <= 8; the bounded gate, chains too, past Q = 8; the softplus gate
     past 8 is a study, no kernel takes it)."""
     check_tree_verify(args, parents, op=OP)

@@ -25,7 +25,7 @@ SPACE_DIR = data_dir("search_spaces")
 DEFAULT_SPACES = (
     "commit.yaml", "commit_tree.yaml", "verify_sm90.yaml", "verify_sm100.yaml",
     "verify_tree_sm90.yaml", "verify_tree_conv_sm90.yaml", "verify_tree_sm100.yaml",
-    "verify_wide_sm90.yaml",
+    "verify_wide_sm90.yaml", "verify_wide_sm100.yaml",
 )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kdagen import compile as kcompile
 from kdagen.check import gpu_refusal
-from kdagen.dsl.sm100 import INSTR_DESC, K
+from kdagen.dsl.sm100 import INSTR_DESC, K, instr_desc
 from kdagen.sass import disassemble, find_nvdisasm
 from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import Space, default_variants
@@ -26,7 +26,12 @@ REPRESENTATIVE = [
     "verify-h12-q5-conv-tm-bf16-i32-sm100_tcgen05-c740",
     "verify-h96-q4-conv-tm-fp32-i32-sm100_tcgen05-c740",
 ]
-INSPECTED = REPRESENTATIVE
+# Past 8 tokens: a chain (3 resident CTAs) and a tree with the conv (2), N = 32.
+WIDE = [
+    "verify-h12-q16-i32-sm100_tcgen05-c444",
+    "verify-h32-q11-tree-conv-tm-bf16-i64-sm100_tcgen05-c296",
+]
+INSPECTED = REPRESENTATIVE + WIDE
 
 
 def _ptx(name: str, cache: Path) -> str:
@@ -89,6 +94,23 @@ def test_tensor_core_path_is_the_seeds(name: str, records, cache: Path) -> None:
     assert record.smem_bytes and record.smem_bytes * per_sm <= SM_SHARED
 
 
+@pytest.mark.parametrize("name", WIDE)
+def test_wide_windows_take_a_32_column_probe_tile(name: str, records, cache: Path) -> None:
+    """Past 8 tokens: the same tensor-core path with N = 32 (the instruction descriptor's N
+    field, one 32x32b.x32 TMEM load), no local memory, and shared memory and registers within
+    the resident CTAs of ``ctas`` on a B200."""
+    ptx = _ptx(name, cache)
+    assert len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16 ", ptx)) == 2 * (K // 16)
+    assert f"{instr_desc(32)};" in ptx or f", {instr_desc(32)}" in ptx
+    assert f"{INSTR_DESC};" not in ptx and f", {INSTR_DESC}" not in ptx
+    assert len(re.findall(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32", ptx)) == 1
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    record = _record(records, name)
+    per_sm = -(-Variant.parse(name).ctas // SMS_B200)
+    assert record.frame_bytes == 0 and record.registers * K * per_sm <= 65536
+    assert record.smem_bytes and record.smem_bytes * per_sm <= SM_SHARED
+
+
 def test_conv_tap_loads_follow_the_weight_dtype(records, cache: Path) -> None:
     bf16_taps = _ptx("verify-h12-q5-conv-tm-bf16-i32-sm100_tcgen05-c740", cache)
     fp32_taps = _ptx("verify-h96-q4-conv-tm-fp32-i32-sm100_tcgen05-c740", cache)
@@ -97,7 +119,8 @@ def test_conv_tap_loads_follow_the_weight_dtype(records, cache: Path) -> None:
 
 
 def test_descriptor_helpers_match_the_dsl_primitives(tmp_path: Path) -> None:
-    """smem_desc and INSTR_DESC against cutlass.experimental.primitives, compared in the PTX
+    """smem_desc and the instruction descriptors (N 16 and 32) against
+    cutlass.experimental.primitives, compared in the PTX
     of a kernel that stores both (the values fold to constants)."""
     import subprocess
     import sys
@@ -110,7 +133,7 @@ def test_descriptor_helpers_match_the_dsl_primitives(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     stores = re.findall(r"st\.global\.b64\s+\[%rd\d+(?:\+\d+)?\],\s*(\d+);", done.stdout)
     expected = (0x1230 >> 4) | (2048 >> 4) << 16 | (128 >> 4) << 32 | 1 << 46
-    assert [int(s) for s in stores] == [expected, expected, INSTR_DESC]
+    assert [int(s) for s in stores] == [expected, expected, INSTR_DESC, instr_desc(32)]
 
 
 DESCRIPTOR_PROBE = """
@@ -132,13 +155,16 @@ def probe(out: cute.Tensor):
     out[2] = Int64(prims.Tcgen05InstrDesc.build(
         c_dtype=cutlass.Float32, a_dtype=cutlass.BFloat16, b_dtype=cutlass.BFloat16,
         m_dim=128, n_dim=16))
+    out[3] = Int64(prims.Tcgen05InstrDesc.build(
+        c_dtype=cutlass.Float32, a_dtype=cutlass.BFloat16, b_dtype=cutlass.BFloat16,
+        m_dim=128, n_dim=32))
 
 @cute.jit
 def host(out: cute.Tensor, stream: cuda.CUstream):
     probe(out).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
 
 dump = sys.argv[1]
-f = cute.compile(host, make_fake_compact_tensor(Int64, (3,)), make_fake_stream(),
+f = cute.compile(host, make_fake_compact_tensor(Int64, (4,)), make_fake_stream(),
                  options=f"--gpu-arch sm_100a --keep-ptx --dump-dir {dump}")
 ptx = f.artifacts.PTX
 print(open(ptx).read() if os.path.exists(str(ptx)) else ptx)

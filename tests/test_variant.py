@@ -55,15 +55,14 @@ def test_cross_field_rules_of_the_commit_template() -> None:
     [
         ("verify-h12-q9-softplus-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "gate='softplus'"),
         ("verify-h12-q9-i32-sm90_wgmma-t256-r1-c264-s1-pdl", "a window of 2..8"),
-        ("verify-h12-q9-i32-sm100_tcgen05-c740", "windows of 1..8 tokens"),
+        ("verify-h12-q9-softplus-i32-sm100_tcgen05-c444", "gate='softplus'"),
     ],
 )
-def test_windows_past_8_are_the_one_warpgroup_hopper_kernels_bounded_gate(
-    name: str, message: str
-) -> None:
+def test_windows_past_8_are_the_one_warpgroup_kernels_bounded_gate(name: str, message: str) -> None:
     with pytest.raises(VariantError, match=message):
         Variant.parse(name)
     assert Variant.parse("verify-h12-q16-tree-i32-sm90_wgmma-t128-r1-c264-s1-pdl").window == 16
+    assert Variant.parse("verify-h12-q16-tree-i32-sm100_tcgen05-c296").window == 16
 
 
 def test_parse_rejects_garbage_with_an_example() -> None:

@@ -70,8 +70,8 @@ def test_the_steepest_allowed_lower_bound_passes() -> None:
 
 
 def test_windows_past_8_take_the_bounded_gate_down_to_128() -> None:
-    """Q = 16 (the Hopper wide kernels): lower_bound x Q down to -128 passes, below it and the
-    softplus gate are refused naming the field; Blackwell has no kernel past 8 tokens."""
+    """Q = 16 (the wide kernels): lower_bound x Q down to -128 passes, below it and the
+    softplus gate are refused naming the field; the built-in choice on either arch."""
     inputs = make_verify_inputs(3, H, 16, seed=2)
     wide = VARIANT.replace(window=16, ctas=264)
     assert _validate(inputs, wide, lower_bound=-128.0 / 16).variant == wide
@@ -79,11 +79,13 @@ def test_windows_past_8_take_the_bounded_gate_down_to_128() -> None:
         _validate(inputs, wide, lower_bound=-8.5)
     with pytest.raises(KdaInputError, match="softplus gate .* windows of 1..8 tokens; got Q = 16"):
         _validate(inputs, wide, lower_bound=None)
-    with pytest.raises(KdaInputError, match=r"Blackwell \(sm_100a\) verify takes windows of 1..8"):
-        validate_verify(verify_args(inputs), require_cuda=False, arch="sm_100a")
+    blackwell = validate_verify(verify_args(inputs), require_cuda=False, arch="sm_100a")
+    assert (blackwell.variant.path, blackwell.variant.ctas) == ("sm100_tcgen05", 3 * 148)
     contract = {"heads": H, "window": 16, "slot_dtype": "int32"}
     chosen = heuristic_variant("verify", contract, 3, arch="sm_90a", sms=132)
     assert (chosen.ctas, chosen.row_split) == (264, 1)
+    tree = heuristic_variant("verify", contract | {"tree": True}, 3, arch="sm_100a")
+    assert (tree.path, tree.ctas) == ("sm100_tcgen05", 2 * 148)
 
 
 def test_conv_tensors_come_all_or_none() -> None:

@@ -2,10 +2,12 @@
 ``tcgen05.mma`` and ``tcgen05.ld``, and the no-swizzle K-major shared-memory layouts.
 
 Constants (K = V = 128 head dim; THREADS: thread c owns channel c and state row c):
-- PROBES = 16: the MMA's N, room for 2Q <= 16 probe columns (p_t then r_t).
+- PROBES = 16: the MMA's N, room for 2Q <= 16 probe columns (p_t then r_t); WIDE_PROBES = 32
+  past 8 tokens (``umma``, ``tmem_load_row`` and the B tile take the count).
 - A_KGROUP_BYTES: bytes between K groups of 8 in the state (A) tile: one 16-byte row per
   state row, so a whole 128-row group.
-- B_KGROUP_BYTES: the same for the probe (B) tile: PROBES rows of 16 bytes.
+- B_KGROUP_BYTES: the same for the probe (B) tile: PROBES rows of 16 bytes
+  (``b_kgroup_bytes(probes)`` for either count).
 """
 
 from __future__ import annotations
@@ -19,13 +21,25 @@ from kdagen.dsl.common import ptx_outputs
 K = 128
 THREADS = K
 PROBES = 16
+WIDE_PROBES = 32
 CORE_ROW_BYTES = 16  # a core matrix row: 8 bf16 of one K group
 A_KGROUP_BYTES = K * CORE_ROW_BYTES
 B_KGROUP_BYTES = PROBES * CORE_ROW_BYTES
-TMEM_COLUMNS = 32  # the smallest allocation; the accumulator uses PROBES fp32 columns
+TMEM_COLUMNS = 32  # the smallest allocation; the accumulator uses up to 32 fp32 columns
 # Instruction descriptor of tcgen05.mma kind::f16: fp32 accumulate, bf16 A and B, both
-# K-major, M = 128, N = PROBES (the value prims.Tcgen05InstrDesc.build gives).
+# K-major, M = 128, N = PROBES (the value prims.Tcgen05InstrDesc.build gives); N >> 3 sits in
+# bits 17..22.
 INSTR_DESC = 0x08040490
+
+
+def b_kgroup_bytes(probes: int) -> int:
+    """Bytes between K groups of 8 in a probe (B) tile of ``probes`` rows."""
+    return probes * CORE_ROW_BYTES
+
+
+def instr_desc(probes: int) -> int:
+    """``INSTR_DESC`` with N = ``probes`` (16 or 32)."""
+    return (INSTR_DESC & ~(0x3F << 17)) | ((probes >> 3) << 17)
 
 
 def state_smem_layout() -> cute.Layout:
@@ -50,13 +64,16 @@ def smem_desc(
 
 
 @cute.jit
-def umma(tmem: Int32, a_desc: Int64, b_desc: Int64, accumulate: cutlass.Constexpr[int]):
-    """One ``tcgen05.mma.cta_group::1.kind::f16`` (M 128, N PROBES, K 16) into TMEM; issued by
-    one thread."""
+def umma(
+    tmem: Int32, a_desc: Int64, b_desc: Int64, accumulate: cutlass.Constexpr[int],
+    probes: cutlass.Constexpr[int] = PROBES,
+):  # fmt: skip
+    """One ``tcgen05.mma.cta_group::1.kind::f16`` (M 128, N ``probes``, K 16) into TMEM;
+    issued by one thread."""
     cute.arch.inline_ptx(
         "{\n .reg .pred p;\n setp.ne.b32 p, {$r4}, 0;\n"
         " tcgen05.mma.cta_group::1.kind::f16 [{$r0}], {$r1}, {$r2}, {$r3}, p;\n}",
-        read_only_args=[tmem, a_desc, b_desc, Int32(INSTR_DESC), Int32(accumulate)],
+        read_only_args=[tmem, a_desc, b_desc, Int32(instr_desc(probes)), Int32(accumulate)],
     )
 
 
@@ -94,13 +111,13 @@ def tmem_dealloc(tmem: Int32):
 
 
 @cute.jit
-def tmem_load_row(address: Int32) -> tuple:
-    """Warp-collective ``tcgen05.ld.32x32b.x16``: lane l gets the PROBES fp32 columns of TMEM
-    lane (address >> 16) + l, i.e. its state row's projections."""
+def tmem_load_row(address: Int32, probes: cutlass.Constexpr[int] = PROBES) -> tuple:
+    """Warp-collective ``tcgen05.ld.32x32b.x16`` (``x32``): lane l gets the ``probes`` fp32
+    columns of TMEM lane (address >> 16) + l, i.e. its state row's projections."""
     return cute.arch.inline_ptx(
-        "tcgen05.ld.sync.aligned.32x32b.x16.b32 {" + ptx_outputs(PROBES) + "}, [{$r0}];\n"
+        f"tcgen05.ld.sync.aligned.32x32b.x{probes}.b32 {{" + ptx_outputs(probes) + "}, [{$r0}];\n"
         "tcgen05.wait::ld.sync.aligned;",
-        write_only_types=[Float32] * PROBES,
+        write_only_types=[Float32] * probes,
         read_only_args=[address],
     )
 

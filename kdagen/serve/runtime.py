@@ -284,12 +284,10 @@ def default_verify_variant(
         "gate": gate, "tree": tree,
     }  # fmt: skip
     if arch == "sm_100a":
-        if window > 8:
-            raise KdaInputError(
-                f"kdagen.verify: windows past 8 tokens (corr.shape[2] = {window}) have Hopper "
-                "kernels only; the Blackwell (sm_100a) verify takes windows of 1..8"
-            )
-        return Variant(**contract, path="sm100_tcgen05", ctas=740)
+        # B200: 148 SMs, 5 resident CTAs to Q = 8; past it 152-168 registers a thread (3 per
+        # SM), trees 234-255 (2 per SM), measured by compiling.
+        resident = 5 if window <= 8 else 2 if tree else 3
+        return Variant(**contract, path="sm100_tcgen05", ctas=resident * 148)
     sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if window > 8:  # 255 registers a thread: two resident CTAs, one per item (split ones spill)
         return Variant(**contract, path="sm90_wgmma", row_split=1, ctas=2 * sms, stages=1)

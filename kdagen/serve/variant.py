@@ -50,7 +50,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 }
 _RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 16), "ctas": (1, 1 << 16)}
 # The widest window each kernel path computes (its coupling tiles and the range of its factors).
-_MAX_WINDOW = {"sm90_wgmma": 16}
+_MAX_WINDOW = {"sm90_wgmma": 16, "sm100_tcgen05": 16}
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ shipped space holds (no variant of it was checked on a GPU).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import shutil
 import warnings
@@ -90,12 +91,13 @@ def emit(
     if not arch:
         raise EmitError(f"the table in {table_dir} does not record its GPU's arch")
     keys = selected_keys(table, keys, gate)
-    held: set[str] = set()  # kernels packaged beyond the choices (untuned keys' whole points)
-    choices = {key: _choices(table, key, arch, held) for key in keys}
+    untuned = {key: _untuned_points(table, key, arch) for key in keys}  # empty: a tuned key
+    choices = {key: _choices(table, key, arch, untuned[key]) for key in keys}
     for kernel in sorted({key.split("-", 1)[0] for key in keys}):
         where = str(table_dir / dispatch.TABLE_FILE)
         dispatch.check_fresh(table, kernel, where, first_use.SOURCE)  # against the templates
-    variants = sorted({v for by_batch in choices.values() for v in by_batch.values()} | held)
+    chosen = {v for by_batch in choices.values() for v in by_batch.values()}
+    variants = sorted(chosen.union(*untuned.values()))
     report = (lambda record: on_compiled(record, len(variants))) if on_compiled else None
     objects = _compile([Variant.parse(v) for v in variants], arch, jobs, report)
 
@@ -155,25 +157,30 @@ def _write_kernels(package: Path, arch: str, objects: dict[str, tuple[Path, str]
     return kernels
 
 
-def _choices(table: DispatchTable, key: str, arch: str, held: set[str]) -> dict[int, str]:
-    """Bucket -> the variant the run-time's lookup picks for ``key`` there. A key of a shipped
-    space the table was not tuned with (e.g. windows past 8, conv trees) runs the built-in
-    choice: every point of its shipped space goes into ``held`` (the choice may move with
-    the batch between them), and a choice outside them is refused (never checked)."""
+def _untuned_points(table: DispatchTable, key: str, arch: str) -> frozenset[str]:
+    """Empty for a key of the space the table was tuned with; else (a shipped space the table
+    was not tuned with, e.g. windows past 8, conv trees) every point of its shipped space, all
+    packaged: the run-time runs the built-in choice there, which may move with the batch."""
+    kernel = parse_contract_key(key)["kernel"]  # a malformed key: the parser's error
+    if not table.space.get(kernel) or key in table.space[kernel]:
+        return frozenset()
+    points = _shipped_points(arch).get(key)
+    if not points:
+        raise EmitError(
+            f"{key} is in no search space of this checkout for {arch}, so no variant of it "
+            "was checked on a GPU; add it to a space, run `kdagen check` (and `kdagen tune`)"
+        )
+    return points
+
+
+def _choices(table: DispatchTable, key: str, arch: str, untuned: frozenset[str]) -> dict[int, str]:
+    """Bucket -> the variant the run-time's lookup picks for ``key`` there; for an untuned key
+    (``untuned``: its shipped points) a choice outside them is refused (never checked)."""
     from kdagen.serve import dispatch
     from kdagen.serve.runtime import heuristic_variant
 
     contract = parse_contract_key(key)
     kernel = contract.pop("kernel")
-    points: set[str] = set()
-    if table.space.get(kernel) and key not in table.space[kernel]:
-        points = _shipped_points(key, arch)
-        if not points:
-            raise EmitError(
-                f"{key} is in no search space of this checkout for {arch}, so no variant of it "
-                "was checked on a GPU; add it to a space, run `kdagen check` (and `kdagen tune`)"
-            )
-        held |= points
     rows = table.entries.get(key) or table.defaults.get(kernel)
     if not rows:
         raise EmitError(f"the table has no entry for {key} and no per-GPU default for {kernel}")
@@ -183,17 +190,23 @@ def _choices(table: DispatchTable, key: str, arch: str, held: set[str]) -> dict[
         with warnings.catch_warnings():  # the fallbacks are the point here, not news
             warnings.simplefilter("ignore", dispatch.DispatchFallbackWarning)
             found[batch] = dispatch.resolve(table, kernel, base, batch).name
-        if points and found[batch] not in points:
+        if untuned and found[batch] not in untuned:
             raise EmitError(f"{key}: the built-in choice {found[batch]} is not in its shipped "
                             "space, so it was never checked; not packaging it")  # fmt: skip
     return found
 
 
-def _shipped_points(key: str, arch: str) -> set[str]:
-    """Every variant of ``key`` in this checkout's shipped spaces that targets ``arch``."""
+@functools.cache
+def _shipped_points(arch: str) -> dict[str, frozenset[str]]:
+    """Contract key -> every variant of it in this checkout's shipped spaces for ``arch``
+    (the spaces expanded once)."""
     from kdagen.space import default_variants
 
-    return {v.name for v in default_variants() if v.contract_key == key and arch in v.spec.archs}
+    points: dict[str, set[str]] = {}
+    for v in default_variants():
+        if arch in v.spec.archs:
+            points.setdefault(v.contract_key, set()).add(v.name)
+    return {key: frozenset(names) for key, names in points.items()}
 
 
 def _compile(

@@ -103,13 +103,14 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "trace_header": TRACE_HEADER,
         "bound": options.bound,
         "params": params(variant),  # the host call's signature
+        # verify: a token tree's window; commit: the conv history along a tree's accepted path
+        "tree": variant.tree,
     }
     if variant.kernel == "verify":
         context["split"] = variant.row_split
         context["stages"] = variant.stages
         context["pdl"] = variant.pdl
         context["conv"] = variant.conv
-        context["tree"] = variant.tree
         # Past 8 tokens (the bounded gate only): a second coupling tile of tokens 8..15 (16 w
         # rows per probe), and the couplings' factors relative to a constant (``shifted``), as
         # the softplus trees take theirs.
@@ -121,8 +122,6 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["shifted"] = wide or (variant.tree and variant.gate == "softplus")
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
-    else:
-        context["tree"] = variant.tree  # commit: the history rows along a tree's accepted path
     return context
 
 

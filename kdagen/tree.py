@@ -334,7 +334,7 @@ def commit_path_layers(
                   lower_bound=lower_bound, compute_dtype=compute_dtype)  # fmt: skip
     for conv in conv_states or []:
         compact_history(conv, plan.source[plan.live], steps[plan.live], plan.count[plan.live],
-                         conv_dim_first)  # fmt: skip
+                        conv_dim_first)  # fmt: skip
 
 
 def compact_history(

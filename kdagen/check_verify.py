@@ -88,6 +88,9 @@ TREE_CASES = (
 # Windows past 8 with the bounded gate: every token's gate at the deepest lower_bound the
 # contract takes (G reaches -128 at the window's end), so the couplings' factors span exp(+-64).
 WIDE_KDA_CASES = (VerifyCase("saturated", 24, gate_logits=(1.0, 30.0), deepest=True),)
+# Windows past 8 with the softplus gate: log decays that cross from the near band of the
+# couplings into the far one inside the window (G = -128 on about a fifth of the channels).
+WIDE_SOFTPLUS_CASES = (VerifyCase("band-edge", 24, gate_logits=(8.0, 8.0)),)
 MANY_UNITS = 3600
 
 
@@ -98,6 +101,7 @@ def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
         + OUTSIDE_CASES
         + (TREE_CASES if variant.tree else ())
         + (WIDE_KDA_CASES if variant.window > 8 and variant.gate == "kda" else ())
+        + (WIDE_SOFTPLUS_CASES if variant.window > 8 and variant.gate == "softplus" else ())
     )
 
 

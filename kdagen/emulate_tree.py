@@ -11,7 +11,9 @@ reduction trees, the seed's forward solve) and only what a kernel can add to it:
   self) by a select, so the forward solve and the output sums are the chain's, with zeros;
 - the coupling factors ``exp(M - G_i) k_i`` and ``exp(G_t - M) k_t`` taken relative to one
   per-channel reference ``M`` clamped into ``[max G - R, min G + R]`` (``R = REBASE_RANGE``),
-  so every factor lies within ``exp(+-R)`` whatever the tree's shape.
+  so every factor lies within ``exp(+-R)`` whatever the tree's shape; or (``banded``, the
+  Hopper softplus kernels past Q = 8) relative to one of two constants by the token's band of
+  log decay, each band's couplings a pass of their own (:func:`banded_couplings`).
 
 A chain (``parents[t] = t - 1``) gives exactly ``emulate.verify_like_sm100``'s bits for Q <= 8:
 the selects reproduce the cumulative sum, the masks the causal triangles, and the clamp leaves
@@ -24,15 +26,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kdagen.dsl.bands import FAR_LOG_EDGE, FAR_REF, NEAR_REF
+from kdagen.dsl.bands import GATE_FLOOR as BANDED_FLOOR
 from kdagen.emulate import (
     BF16,
     _activations,
+    _bf16_split,
     _couplings,
     _f32,
     _gates,
     _project,
     _solve,
     _store,
+    _warp_sum,
     _window_tokens,
     softplus_gate_floor,
 )
@@ -46,6 +52,8 @@ __all__ = [
     "window_parents",
     "ancestor_bits",
     "ancestor_matrix",
+    "banded_couplings",
+    "banded_couplings_sm100",
     "rebase_reference",
     "shifted_reference",
     "tree_log_decay",
@@ -141,16 +149,77 @@ def shifted_reference(logs: Tensor, floor: float) -> Tensor:
     return torch.full_like(logs[..., :1, :], -logs.shape[-2] * floor / 2)
 
 
+def _hopper_operand(x: Tensor) -> Tensor:
+    """``x`` as the coupling MMAs see it: bf16 hi + lo, each half flushed below the smallest
+    normal bf16 (the tensor cores' inputs; the low halves of the smallest factors go first)."""
+    tiny = torch.finfo(BF16).tiny
+    halves = [torch.where(h.float().abs() < tiny, 0.0, h.float()) for h in _bf16_split(x)]
+    return halves[0] + halves[1]
+
+
+def banded_couplings(
+    logs: Tensor, k_n: Tensor, q_n: Tensor, ancestors: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The couplings ``c``, ``d`` as the Hopper softplus kernels past Q = 8 take them: per
+    channel, a near token's probes relative to ``NEAR_REF`` and a far one's (G < FAR_LOG_EDGE)
+    relative to ``FAR_REF``, zero in the other band; ``w_i`` in both bands (zero for a far token
+    in the near band). An ancestor is never farther than its descendant, so each ancestor pair
+    is whole in one band: both near, or the descendant far, where a near ancestor's far-band w
+    is at most exp(-64) and flushes only where the true coupling is below exp(-23). The two
+    bands' sums (bf16 hi / lo operands, as the MMAs read them) are added."""
+    far = logs < _f32(FAR_LOG_EDGE, logs)
+    c_total = d_total = None
+    for band_far, ref in ((False, NEAR_REF), (True, FAR_REF)):
+        rows = far if band_far else ~far
+        near = torch.where(rows, torch.exp(logs - _f32(ref, logs)), 0.0)
+        w = torch.exp(_f32(ref, logs) - logs)
+        if not band_far:
+            w = torch.where(far, 0.0, w)
+        operands = [_hopper_operand(x) for x in (w * k_n, near * k_n, near * q_n)]
+        c, d = _couplings(*operands, ancestors)
+        c_total = c if c_total is None else c_total + c
+        d_total = d if d_total is None else d_total + d
+    return c_total, d_total
+
+
+def banded_couplings_sm100(
+    logs: Tensor, k_n: Tensor, q_n: Tensor, ancestors: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The bands as the Blackwell kernel takes them (per-thread fp32 products, one pass): each
+    token's factors relative to its own band; a far t's product with a near i is
+    ``(w_i 2^-92)(p_t 2^-92)``, i's w moved into t's band (each factor scaled first: the plain
+    product may pass fp32's range). A near t never has a far ancestor."""
+    far = logs < _f32(FAR_LOG_EDGE, logs)
+    ref = torch.where(far, _f32(FAR_REF, logs), _f32(NEAR_REF, logs))
+    near = torch.exp(logs - ref)
+    w = torch.exp(ref - logs) * k_n
+    half = _f32(2.0**-92, logs)
+    cross = far[..., :, None, :] & ~far[..., None, :, :]  # [..., t, i, K]: t far, i near
+    window = logs.shape[-2]
+    pos = torch.arange(window, device=logs.device)
+    below = (pos[:, None] > pos[None, :]) & ancestors
+    keep_d = ((pos[:, None] > pos[None, :]) | (pos[:, None] == pos[None, :])) & ancestors
+
+    def sums(probe: Tensor) -> Tensor:
+        plain = w[..., None, :, :] * probe[..., :, None, :]
+        moved = (w * half)[..., None, :, :] * (probe * half)[..., :, None, :]
+        return _warp_sum(torch.where(cross, moved, plain))
+
+    c, d = sums(near * k_n), sums(near * q_n)
+    return torch.where(below, c, 0.0), torch.where(keep_d, d, 0.0)
+
+
 def verify_tree_like_sm100(
     args: VerifyArgs, parents: Tensor, *, softplus_floor: float | None = None,
-    shifted: bool = False,
+    shifted: bool = False, banded: str | None = None,
 ) -> None:  # fmt: skip
     """``kdagen.tree.verify_tree``'s contract and in-place writes (no conv), computed like a
     tree kernel built on the sm100 chain kernel (see the module docstring); windows up to 16.
     ``softplus_floor`` overrides ``tree_softplus_floor(Q)`` (a study knob, not a contract);
     ``shifted``: the couplings relative to ``shifted_reference``, as both archs' kernels take
-    them (softplus trees at Q <= 8; the bounded gate, chains too, past Q = 8; the softplus gate
-    past 8 is a study, no kernel takes it)."""
+    them (softplus trees at Q <= 8; the bounded gate, chains too, past Q = 8); ``banded``
+    (``"sm90"`` or ``"sm100"``): the softplus gate past Q = 8 as that arch's kernels take it
+    (floor 16, two bands of couplings)."""
     check_tree_verify(args, parents, op=OP)
     if args.conv_state is not None:
         raise KdaInputError(f"{OP}: the fused convolution is not emulated in tree mode")
@@ -160,6 +229,9 @@ def verify_tree_like_sm100(
     if shifted and lower_bound is not None and window <= 8:
         raise KdaInputError(f"{OP}: `shifted` with the bounded gate is the Hopper kernels' "
                             f"reference past Q = 8; got Q {window}")  # fmt: skip
+    if banded and (lower_bound is not None or window <= 8):
+        raise KdaInputError(f"{OP}: `banded` is the softplus gate's scheme past Q = 8; got "
+                            f"lower_bound {lower_bound}, Q {window}")  # fmt: skip
     if lower_bound is not None and window * lower_bound < -2 * REBASE_RANGE:
         raise KdaInputError(
             f"{OP}: `lower_bound` x Q must be >= -{2 * REBASE_RANGE:g} (the log decays' span "
@@ -175,16 +247,24 @@ def verify_tree_like_sm100(
 
     tok = _window_tokens(args, req, _activations(args.qkv, req, None, False))
     floor = tree_softplus_floor(window) if softplus_floor is None else softplus_floor
+    if banded:
+        floor = BANDED_FLOOR
     gates = _gates(tok.g_raw, args.a_log, args.dt_bias, lower_bound, floor)
     logs = tree_log_decay(gates, tree)
     decay = torch.exp(logs)
     proj = _project(state[req.slot], torch.cat([decay * tok.k_n, decay * tok.q_n], dim=-2))
+    ancestors = ancestor_matrix(ancestor_bits(tree))[:, None]  # [B, 1, Q, Q]
+    if banded:
+        couple = banded_couplings if banded == "sm90" else banded_couplings_sm100
+        c, d = couple(logs, tok.k_n, tok.q_n, ancestors)
+        u, o = _solve(tok.v, tok.beta, proj, c, d)
+        _store(req, u, o, tok.record, args.out, args.corr, args.kg)
+        return
     if shifted:
         ref = shifted_reference(logs, floor if lower_bound is None else -lower_bound)
     else:
         ref = rebase_reference(logs, lower_bound)
     near = torch.exp(logs - ref)
-    ancestors = ancestor_matrix(ancestor_bits(tree))[:, None]  # [B, 1, Q, Q]
     c, d = _couplings(torch.exp(ref - logs) * tok.k_n, near * tok.k_n, near * tok.q_n, ancestors)
     u, o = _solve(tok.v, tok.beta, proj, c, d)
     _store(req, u, o, tok.record, args.out, args.corr, args.kg)

@@ -111,11 +111,13 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["stages"] = variant.stages
         context["pdl"] = variant.pdl
         context["conv"] = variant.conv
-        # Past 8 tokens (the bounded gate only): a second coupling tile of tokens 8..15 (16 w
-        # rows per probe), and the couplings' factors relative to a constant (``shifted``), as
-        # the softplus trees take theirs.
+        # Past 8 tokens: a second coupling tile of tokens 8..15 (16 w rows per probe), and the
+        # couplings' factors relative to a constant (``shifted``), as the softplus trees take
+        # theirs; with the softplus gate two such constants, one per band of log decay
+        # (``banded``, kdagen.dsl.bands).
         wide = variant.window > 8
         context["wide"] = wide
+        context["banded"] = wide and variant.gate == "softplus"
         context["w_rows"] = 16 if wide else 8
         context["beta_slots"] = max(8, variant.window)
         context["couple"] = wide or variant.gate == "softplus"

@@ -14,7 +14,8 @@
 # tree commit's check: the conv history along the path),
 # check_wide and bench_wide (windows of 9 to
 # 16: every variant's check; H12 Q16 chains against FlashInfer, trees beside their chain
-# twins). Every step logs to
+# twins), bench_wide_gate (Q = 16 chains with the softplus gate beside the bounded gate,
+# H 32). Every step logs to
 # OUTDIR (packed into OUTDIR/logs-<time>.tgz at the end); a short summary is printed last.
 # Env: COMPILE_SPACES (space names, e.g. "verify_sm90.yaml commit.yaml"; default: every
 # shipped space), COMPILE_MATCH (only variants whose name contains it, or one of a,b,...),
@@ -104,6 +105,10 @@ if has bench_wide; then  # Q = 16: chains against FlashInfer, trees beside their
     --batches 1,4,16,64,256,512 --out "$out/bench_wide_h12_q16.json"
   TAIL=16 step bench_wide_tree kdagen bench --space verify_wide_sm90.yaml --tree both --heads 12 --window 16 \
     --batches 1,16,64,256,512 --no-peers --out "$out/bench_wide_tree_h12_q16.json"
+fi
+if has bench_wide_gate; then  # Q = 16, H 32 (both models' head count): softplus beside bounded
+  TAIL=12 step bench_wide_gate kdagen bench --space verify_wide_sm90.yaml --gate both --heads 32 --window 16 \
+    --batches 1,16,64,256,512 --no-peers --out "$out/bench_wide_gate_h32_q16.json"
 fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"

@@ -40,6 +40,8 @@ GATES = {
     "softplus": {"lower_bound": None},
     "softplus-forget": {"lower_bound": None, "gate_logits": (200.0, 100.0)},
     "softplus-1e4": {"lower_bound": None, "gate_logits": (0.0, 1e4)},
+    # G crosses -128 inside a 16-token window on about a fifth of the channels (the bands' edge)
+    "softplus-edge": {"lower_bound": None, "gate_logits": (8.0, 8.0)},
 }
 SHAPES = ("random", "chain", "star", "two-branches")
 
@@ -151,6 +153,45 @@ def test_the_shifted_kernels_constant_reference_meets_the_targets(
     assert not over, f"over the target (measured, target): {over}"
 
 
+# The Hopper softplus kernels past Q = 8: floor 16 per token and the couplings in two bands of
+# log decay (emulate_tree.banded_couplings), with the MMAs' bf16 hi / lo operands.
+BANDED = [(window, gate) for window in (9, 12, 16) for gate in GATES if gate.startswith("softplus")]
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("window", "gate"), BANDED)
+def test_the_banded_couplings_meet_the_targets(
+    window: int, gate: str, shape: str, arch: str
+) -> None:
+    """Also where gates forget everything (log decays to -256) and where a root path crosses
+    from the near band into the far one; each arch's arithmetic (Hopper: two MMA passes of
+    bf16 hi / lo operands; Blackwell: fp32 products, a far token's near ancestors moved)."""
+    seed = 5 * window + len(gate) + len(shape)
+    inputs = _inputs({"Q": window, "H": 2, "B": 6, "seed": seed, **GATES[gate]})
+    parents = tree_parents(inputs["qlen"], shape, seed)
+    ref, emu = _reference(inputs, parents), _emulate(inputs, parents, banded=arch)
+    masks = verify_write_masks(inputs)
+    errors = tree_errors(emu, ref, masks)
+    over = {k: (v, TARGETS[k]) for k, v in errors.items() if not v <= TARGETS[k]}
+    assert not over, f"over the target (measured, target): {over}"
+    out = emulate.relative_errors(emu["out"][masks["out"]], ref["out"][masks["out"]])
+    assert out["max_rel"] <= 8e-3  # the GPU check's element-wise bound on out
+
+
+def test_the_far_band_carries_what_the_near_one_cannot() -> None:
+    """Q = 16, gates that forget: with floor 16 a path's log decays reach -256; the near band
+    alone (one reference) overflows, the two bands hold the targets (the test above)."""
+    inputs = _inputs({"Q": 16, "H": 2, "B": 6, "lower_bound": None, "gate_logits": (0.0, 1e4)})
+    parents = tree_parents(inputs["qlen"], "chain", 0)
+    masks = verify_write_masks(inputs)
+    one = _emulate(inputs, parents, softplus_floor=emulate_tree.BANDED_FLOOR)
+    assert not one["out"][masks["out"]].isfinite().all()
+    for arch in ("sm90", "sm100"):
+        banded = _emulate(inputs, parents, banded=arch)
+        assert banded["out"][masks["out"]].isfinite().all(), arch
+
+
 def test_the_bounded_gates_constant_reference_is_for_wide_windows() -> None:
     inputs = _inputs({"Q": 8, "H": 2})
     with pytest.raises(KdaInputError, match="`shifted`"):
@@ -201,6 +242,9 @@ def test_refusals() -> None:
     long = _inputs({"Q": 17, "H": 1})
     with pytest.raises(KdaInputError, match="1..16"):
         _emulate(long, tree_parents(long["qlen"], "random", 0))
+    narrow = _inputs({"Q": 8, "H": 1, "lower_bound": None})
+    with pytest.raises(KdaInputError, match="`banded`"):
+        _emulate(narrow, tree_parents(narrow["qlen"], "random", 0), banded="sm90")
     strong = _inputs({"Q": 16, "H": 1, "lower_bound": -10.5})
     with pytest.raises(KdaInputError, match="lower_bound"):
         _emulate(strong, tree_parents(strong["qlen"], "random", 0))

@@ -30,17 +30,31 @@ SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 H, B = 4, 12
 
 
-@pytest.mark.parametrize(("Q", "conv"), [(8, False), (16, False), (8, True), (16, True)])
-def test_speculative_loop_on_trees(Q: int, conv: bool) -> None:
+def _softplus_gates(raw_g: torch.Tensor) -> None:
+    """Raw gates ~ N(8, 8^2) under the softplus gate: per-channel log decays from ~0 to the
+    floor of 16 a token, so a 16-token path crosses the wide kernel's band edge (G = -128)."""
+    raw_g.mul_(8.0).add_(8.0)
+
+
+@pytest.mark.parametrize(
+    ("Q", "conv", "gate"),
+    [(8, False, "kda"), (16, False, "kda"), (8, True, "kda"), (16, True, "kda"),
+     (16, False, "softplus"), (16, True, "softplus")],
+)  # fmt: skip
+def test_speculative_loop_on_trees(Q: int, conv: bool, gate: str) -> None:
     """20 steps: a random tree per window (padding requests among them), the kernels' tree
     verify, a random accepted root path per request, the path commit; the same loop on the
     fp64 tree reference. Outputs every step and the state at the end agree. With the fused
     conv, every token convolves over its root path, the commit (``ModelCommit``, one layer)
     moves the path's last three tokens into the history rows (the next verify reads them
-    with ``accepted = 1``), and the conv state equals the reference's bit for bit each step."""
+    with ``accepted = 1``), and the conv state equals the reference's bit for bit each step.
+    The softplus gate at Q = 16 runs the wide kernel's two bands of couplings."""
     gen = torch.Generator().manual_seed(SEED)
+    lower_bound = None if gate == "softplus" else -5.0
     inputs = make_verify_inputs(B, H, Q, device="cuda", seed=SEED, ragged=False, tree=True,
-                                conv=conv)  # fmt: skip
+                                conv=conv, lower_bound=lower_bound)  # fmt: skip
+    if gate == "softplus":
+        _softplus_gates(inputs["raw_g"])
     ref = clone_inputs(inputs)
     ref["state"] = ref["state"].double()
     if conv:
@@ -51,6 +65,8 @@ def test_speculative_loop_on_trees(Q: int, conv: bool) -> None:
         if step:  # a fresh tree and activations, the same pool and slots
             fresh = make_verify_inputs(B, H, Q, device="cuda", seed=SEED + step, ragged=False,
                                        tree=True)  # fmt: skip
+            if gate == "softplus":
+                _softplus_gates(fresh["raw_g"])
             for key in ("qkv", "raw_g", "raw_beta", "parents"):
                 inputs[key].copy_(fresh[key])
                 ref[key].copy_(fresh[key])

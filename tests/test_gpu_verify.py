@@ -32,14 +32,15 @@ H, Q = 12, 4
 
 @pytest.mark.parametrize("outside", [False, True], ids=["in-pool", "outside-pool"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+@pytest.mark.parametrize("window", [Q, 16])
 def test_vllm_entry_point_gives_the_same_outputs_as_verify(
-    lower_bound: float | None, outside: bool
+    window: int, lower_bound: float | None, outside: bool
 ) -> None:
     """The records by block, and with ``outside`` a block past the pool and one of -3
     (padding): every record block of no live request, and GUARD_SLOTS poisoned blocks after
-    the records, keep their bits."""
-    inputs = make_verify_inputs(20, H, Q, device="cuda", seed=SEED, lower_bound=lower_bound,
-                                outside=outside)  # fmt: skip
+    the records, keep their bits. Q = 16: the wide kernels."""
+    inputs = make_verify_inputs(20, H, window, device="cuda", seed=SEED,
+                                lower_bound=lower_bound, outside=outside)  # fmt: skip
     ours = clone_inputs(inputs)
     # Both dispatch (same contract and batch, so the same variant): variants may differ in the
     # order of their fp32 sums, so only the same variant gives the same bits.
@@ -50,14 +51,14 @@ def test_vllm_entry_point_gives_the_same_outputs_as_verify(
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # strided views, no copy
     blocks = inputs["state"].shape[0]
     rows = blocks + GUARD_SLOTS  # guard blocks after the records
-    corr_all = poison_(torch.empty(rows, H, Q, 128, dtype=torch.float32, device="cuda"))
-    kg_all = poison_(torch.empty(rows, H, Q, 256, dtype=torch.bfloat16, device="cuda"))
+    corr_all = poison_(torch.empty(rows, H, window, 128, dtype=torch.float32, device="cuda"))
+    kg_all = poison_(torch.empty(rows, H, window, 256, dtype=torch.bfloat16, device="cuda"))
     corr, kg = corr_all[:blocks], kg_all[:blocks]
     corr_before, kg_before = bits(corr_all).clone(), bits(kg_all).clone()
     out = kda_recoverssm_verify(
         q, k, v, inputs["raw_g"].view(1, tokens, H, 128), inputs["raw_beta"].view(1, tokens, H),
         inputs["a_log"], inputs["dt_bias"], inputs["lower_bound"], inputs["state"], corr, kg,
-        inputs["query_start"], slots, Q,
+        inputs["query_start"], slots, window,
     )  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(bits(out.view(tokens, -1)), bits(ours["out"])), f"seed {SEED}"

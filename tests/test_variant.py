@@ -53,15 +53,17 @@ def test_cross_field_rules_of_the_commit_template() -> None:
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("verify-h12-q9-softplus-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "gate='softplus'"),
         ("verify-h12-q9-i32-sm90_wgmma-t256-r1-c264-s1-pdl", "a window of 2..8"),
-        ("verify-h12-q9-softplus-i32-sm100_tcgen05-c444", "gate='softplus'"),
+        ("verify-h12-q17-i32-sm100_tcgen05-c444", r"window=17 is not allowed"),
     ],
 )
-def test_windows_past_8_are_the_one_warpgroup_kernels_bounded_gate(name: str, message: str) -> None:
+def test_windows_past_8_are_the_one_warpgroup_kernels(name: str, message: str) -> None:
+    """Past 8 tokens: Hopper's one-warpgroup kernel and Blackwell's, either gate."""
     with pytest.raises(VariantError, match=message):
         Variant.parse(name)
     assert Variant.parse("verify-h12-q16-tree-i32-sm90_wgmma-t128-r1-c264-s1-pdl").window == 16
+    assert Variant.parse("verify-h16-q9-softplus-i32-sm90_wgmma-t128-r1-c264-s1-pdl").window == 9
+    assert Variant.parse("verify-h16-q16-softplus-tree-i32-sm100_tcgen05-c296").tree
     assert Variant.parse("verify-h12-q16-tree-i32-sm100_tcgen05-c296").window == 16
 
 

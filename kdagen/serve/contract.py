@@ -123,11 +123,6 @@ def gate_of(op: str, lower_bound: float | None, window: int | None = None) -> st
     gate (``kda``), within ``max_log_decay(window)`` over a window of ``window`` tokens
     when given; None is Kimi-Linear's unbounded softplus gate, which the kernels take as it is."""
     if lower_bound is None:
-        if window is not None and window > 8:
-            raise KdaInputError(
-                f"{op}: Kimi-Linear's softplus gate (lower_bound None) takes windows of 1..8 "
-                f"tokens; got Q = {window}"
-            )
         return "softplus"
     check_scalar(op, "lower_bound", lower_bound, float, negative=True)
     if window is not None and lower_bound * window < -max_log_decay(window):

@@ -285,8 +285,9 @@ def default_verify_variant(
     }  # fmt: skip
     if arch == "sm_100a":
         # B200: 148 SMs, 5 resident CTAs to Q = 8; past it 152-168 registers a thread (3 per
-        # SM), trees 234-255 (2 per SM), measured by compiling.
-        resident = 5 if window <= 8 else 2 if tree else 3
+        # SM), trees 234-255 and the softplus gate's chains to 232 (2 per SM), measured by
+        # compiling.
+        resident = 5 if window <= 8 else 2 if tree or gate == "softplus" else 3
         return Variant(**contract, path="sm100_tcgen05", ctas=resident * 148)
     sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if window > 8:  # 255 registers a thread: two resident CTAs, one per item (split ones spill)

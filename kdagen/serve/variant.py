@@ -321,12 +321,6 @@ def _check_path_rules(v: Variant) -> None:
             f"window={v.window} is not allowed for path {v.path!r}: its kernels compute "
             f"windows of 1..{most} tokens"
         )
-    if v.kernel == "verify" and v.window > 8 and v.gate == "softplus":
-        raise VariantError(
-            f"window={v.window} is not allowed with gate='softplus': past 8 tokens the verify "
-            "kernels take the bounded gate only (a softplus window's log decays span more than "
-            "their couplings' fp32 range); allowed windows: 1..8"
-        )
     if v.kernel == "commit":
         _check_commit_rules(v)
     if v.path == "sm90_wgmma":

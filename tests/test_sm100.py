@@ -26,10 +26,13 @@ REPRESENTATIVE = [
     "verify-h12-q5-conv-tm-bf16-i32-sm100_tcgen05-c740",
     "verify-h96-q4-conv-tm-fp32-i32-sm100_tcgen05-c740",
 ]
-# Past 8 tokens: a chain (3 resident CTAs) and a tree with the conv (2), N = 32.
+# Past 8 tokens: a chain (3 resident CTAs) and a tree with the conv (2), N = 32; the softplus
+# gate's two bands of log decay, a chain and a conv tree (2 resident CTAs).
 WIDE = [
     "verify-h12-q16-i32-sm100_tcgen05-c444",
     "verify-h32-q11-tree-conv-tm-bf16-i64-sm100_tcgen05-c296",
+    "verify-h16-q16-softplus-i32-sm100_tcgen05-c296",
+    "verify-h16-q16-softplus-tree-conv-tm-bf16-i32-sm100_tcgen05-c296",
 ]
 INSPECTED = REPRESENTATIVE + WIDE
 

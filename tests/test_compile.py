@@ -220,3 +220,33 @@ def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path)
     assert callable(kcompile.load_kernel(variant, "sm_90a", tmp_path))
     [record] = kcompile.compile_many([variant], ["sm_90a"], jobs=1, root=tmp_path)
     assert record.ok and record.cached
+
+
+@pytest.fixture
+def staged_conv_trees(monkeypatch: pytest.MonkeyPatch):
+    """``render.STAGED_CONV_TREES`` switched on for one test (renders cached both sides)."""
+    monkeypatch.setattr(krender, "STAGED_CONV_TREES", True)
+    krender.render.cache_clear()
+    yield
+    krender.render.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q8-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+        "verify-h8-q8-softplus-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+        "verify-h12-q5-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
+    ],
+)
+def test_the_staged_conv_trees_compile(name: str, tmp_path: Path, staged_conv_trees) -> None:
+    """The conv trees of 5 to 8 tokens with their lags staged in shared memory (switched off
+    until a GPU has checked them): each tap dtype's kernel takes the staged helper and compiles
+    within 3 resident CTAs' registers, with at most the 8 stack bytes a verify may park."""
+    variant = Variant.parse(name)
+    source = krender.render(variant)
+    assert "from kdagen.dsl.tree_conv_staged import conv_silu_tree_staged" in source
+    assert "kdagen.dsl.tree_conv import" not in source
+    record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
+    assert record.ok, record.error
+    assert record.registers <= 168 and record.frame_bytes <= 8

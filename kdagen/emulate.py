@@ -25,6 +25,7 @@ Token trees (issue 31) are ``kdagen.emulate_tree``, built on this module's stage
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -233,16 +234,23 @@ def _normalise(x: Tensor, scale: float | None = None) -> Tensor:
     return y if scale is None else y * _f32(scale, x)
 
 
+def _channel_products(w: Tensor, probe: Tensor) -> Tensor:
+    """``[..., t, i, K]``: each channel's fp32 product of ``w_i`` and ``probe_t``."""
+    return w[..., None, :, :] * probe[..., :, None, :]
+
+
 def _couplings(
-    w: Tensor, p: Tensor, r: Tensor, ancestors: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+    w: Tensor, p: Tensor, r: Tensor, ancestors: Tensor | None = None,
+    products: Callable[[Tensor, Tensor], Tensor] = _channel_products,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``c[..., t, i] = w_i . p_t`` (i < t) and ``d[..., t, i] = w_i . r_t`` (i <= t), fp32.
 
-    Each channel's product is rounded to fp32, then summed over channels with the kernel's tree;
-    entries outside the triangles are zeroed (the kernel never computes them). ``ancestors``
-    (bool ``[..., Q, Q]``, ``[t, i]``: i is t or an ancestor of t) narrows both to a token
-    tree's root paths: a select, not a product, so a non-ancestor pair's overflow (its factors
-    are not bounded by the rebase) is dropped, never turned into NaN.
+    Each channel's product is rounded to fp32 (``products``: how a kernel forms them), then
+    summed over channels with the kernel's tree; entries outside the triangles are zeroed (the
+    kernel never computes them). ``ancestors`` (bool ``[..., Q, Q]``, ``[t, i]``: i is t or an
+    ancestor of t) narrows both to a token tree's root paths: a select, not a product, so a
+    non-ancestor pair's overflow (its factors are not bounded by the rebase) is dropped, never
+    turned into NaN.
     """
     window = w.shape[-2]
     pos = torch.arange(window, device=w.device)
@@ -250,8 +258,8 @@ def _couplings(
     keep_d = below | (pos[:, None] == pos[None, :])
     if ancestors is not None:
         below, keep_d = below & ancestors, keep_d & ancestors
-    c = _warp_sum(w[..., None, :, :] * p[..., :, None, :])
-    d = _warp_sum(w[..., None, :, :] * r[..., :, None, :])
+    c = _warp_sum(products(w, p))
+    d = _warp_sum(products(w, r))
     return torch.where(below, c, 0.0), torch.where(keep_d, d, 0.0)
 
 

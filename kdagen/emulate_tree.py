@@ -32,13 +32,13 @@ from kdagen.emulate import (
     BF16,
     _activations,
     _bf16_split,
+    _channel_products,
     _couplings,
     _f32,
     _gates,
     _project,
     _solve,
     _store,
-    _warp_sum,
     _window_tokens,
     softplus_gate_floor,
 )
@@ -195,18 +195,12 @@ def banded_couplings_sm100(
     w = torch.exp(ref - logs) * k_n
     half = _f32(2.0**-92, logs)
     cross = far[..., :, None, :] & ~far[..., None, :, :]  # [..., t, i, K]: t far, i near
-    window = logs.shape[-2]
-    pos = torch.arange(window, device=logs.device)
-    below = (pos[:, None] > pos[None, :]) & ancestors
-    keep_d = ((pos[:, None] > pos[None, :]) | (pos[:, None] == pos[None, :])) & ancestors
 
-    def sums(probe: Tensor) -> Tensor:
-        plain = w[..., None, :, :] * probe[..., :, None, :]
-        moved = (w * half)[..., None, :, :] * (probe * half)[..., :, None, :]
-        return _warp_sum(torch.where(cross, moved, plain))
+    def products(weights: Tensor, probe: Tensor) -> Tensor:
+        plain = _channel_products(weights, probe)
+        return torch.where(cross, _channel_products(weights * half, probe * half), plain)
 
-    c, d = sums(near * k_n), sums(near * q_n)
-    return torch.where(below, c, 0.0), torch.where(keep_d, d, 0.0)
+    return _couplings(w, near * k_n, near * q_n, ancestors, products)
 
 
 def verify_tree_like_sm100(

@@ -92,13 +92,6 @@ class RenderOptions:
             raise ValueError(f"bound {self.bound!r} needs {needs}, not {variant.name}")
 
 
-# The Hopper conv trees of 5 to 8 tokens with their lags staged in shared memory instead of
-# found by selects (kdagen/dsl/tree_conv_staged.py, docs/history/trees.md): off until `kdagen
-# check` has run the 77 renders it changes on a GPU (it was written when no device time was
-# left to check it); tests/test_render.py compiles it.
-STAGED_CONV_TREES = False
-
-
 def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     """Values the templates read besides the variant itself, derived once here."""
     context: dict[str, object] = {
@@ -131,11 +124,14 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["shifted"] = wide or (variant.tree and variant.gate == "softplus")
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         # Hopper conv trees of 5 to 8 tokens load their lags from shared memory (a row of the
-        # projections' buffer holds the 6 (Q + 3) bytes), kdagen/dsl/tree_conv_staged.py.
+        # projections' buffer holds the 6 (Q + 3) bytes), kdagen/dsl/tree_conv_staged.py;
+        # shorter windows keep the selects (fewer lags), longer ones too (staging spills there).
         context["staged_conv"] = (
-            STAGED_CONV_TREES and variant.tree and variant.conv
-            and variant.path == "sm90_wgmma" and 5 <= variant.window <= 8
-        )  # fmt: skip
+            variant.tree
+            and variant.conv
+            and variant.path == "sm90_wgmma"
+            and 5 <= variant.window <= 8
+        )
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context
 

@@ -222,15 +222,6 @@ def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path)
     assert record.ok and record.cached
 
 
-@pytest.fixture
-def staged_conv_trees(monkeypatch: pytest.MonkeyPatch):
-    """``render.STAGED_CONV_TREES`` switched on for one test (renders cached both sides)."""
-    monkeypatch.setattr(krender, "STAGED_CONV_TREES", True)
-    krender.render.cache_clear()
-    yield
-    krender.render.cache_clear()
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -239,10 +230,10 @@ def staged_conv_trees(monkeypatch: pytest.MonkeyPatch):
         "verify-h12-q5-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
     ],
 )
-def test_the_staged_conv_trees_compile(name: str, tmp_path: Path, staged_conv_trees) -> None:
-    """The conv trees of 5 to 8 tokens with their lags staged in shared memory (switched off
-    until a GPU has checked them): each tap dtype's kernel takes the staged helper and compiles
-    within 3 resident CTAs' registers, with at most the 8 stack bytes a verify may park."""
+def test_the_staged_conv_trees_compile(name: str, tmp_path: Path) -> None:
+    """The conv trees of 5 to 8 tokens with their lags staged in shared memory: each tap
+    dtype's kernel takes the staged helper and compiles within 3 resident CTAs' registers,
+    with at most the 8 stack bytes a verify may park."""
     variant = Variant.parse(name)
     source = krender.render(variant)
     assert "from kdagen.dsl.tree_conv_staged import conv_silu_tree_staged" in source

@@ -20,7 +20,7 @@ from kdagen.serve.variant import Variant
 # The commit variant whose PTX, SASS and cache entry the tests below read.
 COMMIT = Variant(kernel="commit", heads=12, window=8, threads=128, vec=8, row_split=1)
 INSPECTED = [COMMIT.name]
-WIDE_FRAME_BYTES = 96  # stack bytes the Hopper verify may park past 8 tokens
+WIDE_FRAME_BYTES = 16  # stack bytes the Hopper verify may park past 8 tokens
 
 
 def test_every_covered_variant_compiles_for_each_arch_it_targets(records, covered) -> None:
@@ -41,8 +41,9 @@ def test_no_variant_spills_or_uses_local_memory(records) -> None:
     even well under the register limit (seen: 8 bytes at 72 and 128 registers). Bound that at
     two words, so a real register blow-up still fails; tests/test_sm100.py requires the
     representative sm100 variants to have none, in the cubin and in the SASS. The Hopper
-    verify past 8 tokens runs at the 255-register ceiling: its trees park 88 bytes and its conv
-    16 (measured at Q = 16), bounded at WIDE_FRAME_BYTES."""
+    verify past 8 tokens runs at the 255-register ceiling: its conv and trees park up to 16
+    bytes (measured over the covering; the trees parked 88 before their root paths moved to
+    shared memory), bounded at WIDE_FRAME_BYTES."""
     commit = [
         (r.variant, r.arch, r.frame_bytes)
         for r in records

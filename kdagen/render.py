@@ -92,6 +92,13 @@ class RenderOptions:
             raise ValueError(f"bound {self.bound!r} needs {needs}, not {variant.name}")
 
 
+# The Hopper conv trees past 8 tokens with their lags loaded by chased indexes instead of
+# selects (kdagen/dsl/tree_conv_chased.py, docs/history/trees.md): off until `kdagen check` has
+# run the 94 renders it changes on a GPU (written when no device time was left to check it);
+# tests/test_compile.py compiles it.
+CHASED_CONV_TREES = False
+
+
 def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     """Values the templates read besides the variant itself, derived once here."""
     context: dict[str, object] = {
@@ -131,6 +138,13 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
             and variant.conv
             and variant.path == "sm90_wgmma"
             and 5 <= variant.window <= 8
+        )
+        context["chased_conv"] = (
+            CHASED_CONV_TREES
+            and variant.tree
+            and variant.conv
+            and variant.path == "sm90_wgmma"
+            and variant.window > 8
         )
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context

@@ -223,27 +223,6 @@ def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path)
     assert record.ok and record.cached
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "verify-h12-q8-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
-        "verify-h8-q8-softplus-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
-        "verify-h12-q5-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
-    ],
-)
-def test_the_staged_conv_trees_compile(name: str, tmp_path: Path) -> None:
-    """The conv trees of 5 to 8 tokens with their lags staged in shared memory: each tap
-    dtype's kernel takes the staged helper and compiles within 3 resident CTAs' registers,
-    with at most the 8 stack bytes a verify may park."""
-    variant = Variant.parse(name)
-    source = krender.render(variant)
-    assert "from kdagen.dsl.tree_conv_staged import conv_silu_tree_staged" in source
-    assert "kdagen.dsl.tree_conv import" not in source
-    record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
-    assert record.ok, record.error
-    assert record.registers <= 168 and record.frame_bytes <= 8
-
-
 @pytest.fixture
 def chased_conv_trees(monkeypatch: pytest.MonkeyPatch):
     """``render.CHASED_CONV_TREES`` switched on for one test (renders cached both sides)."""
@@ -254,20 +233,26 @@ def chased_conv_trees(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize(
-    "name",
+    ("name", "helper", "registers", "frame"),
     [
-        "verify-h12-q16-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
-        "verify-h12-q9-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+        ("verify-h12-q8-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl", "staged", 168, 8),
+        ("verify-h8-q8-softplus-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c396-s1-pdl", "staged", 168, 8),
+        ("verify-h12-q5-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c396-s1-pdl", "staged", 168, 8),
+        ("verify-h12-q16-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "chased", 255, WIDE_FRAME_BYTES),
+        ("verify-h12-q9-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "chased", 255, WIDE_FRAME_BYTES),
     ],
-)
-def test_the_chased_conv_trees_compile(name: str, tmp_path: Path, chased_conv_trees) -> None:
-    """The conv trees past 8 tokens with their lags loaded by chased indexes (switched off
-    until a GPU has checked them): each tap dtype's kernel takes the chased helper and
-    compiles within the stack bytes a verify past 8 may park."""
+)  # fmt: skip
+def test_the_conv_trees_without_selects_compile(
+    name: str, helper: str, registers: int, frame: int, tmp_path: Path, chased_conv_trees
+) -> None:
+    """The conv trees whose lags are loaded, not selected: staged in shared memory at 5 to 8
+    tokens (within 3 resident CTAs' registers and the 8 stack bytes a verify may park), by
+    chased indexes past 8 (switched on here: off until a GPU has checked it; within the wide
+    verify's stack bound). Each tap dtype's kernel takes its helper and compiles."""
     variant = Variant.parse(name)
     source = krender.render(variant)
-    assert "from kdagen.dsl.tree_conv_chased import conv_silu_tree_chased" in source
+    assert f"from kdagen.dsl.tree_conv_{helper} import conv_silu_tree_{helper}" in source
     assert "kdagen.dsl.tree_conv import" not in source
     record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
     assert record.ok, record.error
-    assert record.frame_bytes <= WIDE_FRAME_BYTES
+    assert record.registers <= registers and record.frame_bytes <= frame

@@ -132,7 +132,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         # Hopper conv trees of 5 to 8 tokens load their lags from shared memory (a row of the
         # projections' buffer holds the 6 (Q + 3) bytes), kdagen/dsl/tree_conv_staged.py;
-        # shorter windows keep the selects (fewer lags), longer ones too (staging spills there).
+        # shorter windows keep the selects (fewer lags); longer ones (staging spills there) take
+        # the selects or, switched on, chased indexes (kdagen/dsl/tree_conv_chased.py).
         context["staged_conv"] = (
             variant.tree
             and variant.conv

@@ -92,13 +92,6 @@ class RenderOptions:
             raise ValueError(f"bound {self.bound!r} needs {needs}, not {variant.name}")
 
 
-# The Hopper conv trees past 8 tokens with their lags loaded by chased indexes instead of
-# selects (kdagen/dsl/tree_conv_chased.py, docs/history/trees.md): off until `kdagen check` has
-# run the 94 renders it changes on a GPU (written when no device time was left to check it);
-# tests/test_compile.py compiles it.
-CHASED_CONV_TREES = False
-
-
 def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     """Values the templates read besides the variant itself, derived once here."""
     context: dict[str, object] = {
@@ -132,8 +125,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         # Hopper conv trees of 5 to 8 tokens load their lags from shared memory (a row of the
         # projections' buffer holds the 6 (Q + 3) bytes), kdagen/dsl/tree_conv_staged.py;
-        # shorter windows keep the selects (fewer lags); longer ones (staging spills there) take
-        # the selects or, switched on, chased indexes (kdagen/dsl/tree_conv_chased.py).
+        # shorter windows keep the selects (fewer lags); longer ones (staging spills there)
+        # load them by indexes chased through a per-thread table (kdagen/dsl/tree_conv_chased.py).
         context["staged_conv"] = (
             variant.tree
             and variant.conv
@@ -141,11 +134,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
             and 5 <= variant.window <= 8
         )
         context["chased_conv"] = (
-            CHASED_CONV_TREES
-            and variant.tree
-            and variant.conv
-            and variant.path == "sm90_wgmma"
-            and variant.window > 8
+            variant.tree and variant.conv and variant.path == "sm90_wgmma" and variant.window > 8
         )
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context

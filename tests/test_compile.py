@@ -223,15 +223,6 @@ def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path)
     assert record.ok and record.cached
 
 
-@pytest.fixture
-def chased_conv_trees(monkeypatch: pytest.MonkeyPatch):
-    """``render.CHASED_CONV_TREES`` switched on for one test (renders cached both sides)."""
-    monkeypatch.setattr(krender, "CHASED_CONV_TREES", True)
-    krender.render.cache_clear()
-    yield
-    krender.render.cache_clear()
-
-
 @pytest.mark.parametrize(
     ("name", "helper", "registers", "frame"),
     [
@@ -243,12 +234,12 @@ def chased_conv_trees(monkeypatch: pytest.MonkeyPatch):
     ],
 )  # fmt: skip
 def test_the_conv_trees_without_selects_compile(
-    name: str, helper: str, registers: int, frame: int, tmp_path: Path, chased_conv_trees
+    name: str, helper: str, registers: int, frame: int, tmp_path: Path
 ) -> None:
     """The conv trees whose lags are loaded, not selected: staged in shared memory at 5 to 8
     tokens (within 3 resident CTAs' registers and the 8 stack bytes a verify may park), by
-    chased indexes past 8 (switched on here: off until a GPU has checked it; within the wide
-    verify's stack bound). Each tap dtype's kernel takes its helper and compiles."""
+    chased indexes past 8 (within the wide verify's stack bound). Each tap dtype's kernel takes
+    its helper and compiles."""
     variant = Variant.parse(name)
     source = krender.render(variant)
     assert f"from kdagen.dsl.tree_conv_{helper} import conv_silu_tree_{helper}" in source

@@ -15,7 +15,12 @@ from kdagen.tune import plan_studies, space_points
 
 GENERATED = Path(__file__).resolve().parents[1] / "generated"
 TABLES = sorted(p.parent for p in GENERATED.glob("*/dispatch.json"))
-SPACES = {"commit": "commit.yaml", "verify": "verify_sm90.yaml", "tree": "verify_tree_sm90.yaml"}
+SPACES = {
+    "commit": "commit.yaml",
+    "verify": "verify_sm90.yaml",
+    "tree": "verify_tree_sm90.yaml",
+    "wide": "verify_wide_sm90.yaml",
+}
 
 
 def test_the_h200_table_is_committed() -> None:

@@ -20,7 +20,7 @@ from kdagen.serve.variant import Variant
 # The commit variant whose PTX, SASS and cache entry the tests below read.
 COMMIT = Variant(kernel="commit", heads=12, window=8, threads=128, vec=8, row_split=1)
 INSPECTED = [COMMIT.name]
-WIDE_FRAME_BYTES = 32  # stack bytes the Hopper verify may park past 8 tokens
+WIDE_FRAME_BYTES = 40  # stack bytes the Hopper verify may park past 8 tokens
 
 
 def test_every_covered_variant_compiles_for_each_arch_it_targets(records, covered) -> None:
@@ -41,9 +41,10 @@ def test_no_variant_spills_or_uses_local_memory(records) -> None:
     even well under the register limit (seen: 8 bytes at 72 and 128 registers). Bound that at
     two words, so a real register blow-up still fails; tests/test_sm100.py requires the
     representative sm100 variants to have none, in the cubin and in the SASS. The Hopper
-    verify past 8 tokens runs at the 255-register ceiling: its trees park up to 16 bytes and
-    its conv up to 32 (H 16 Q 15 softplus, dim-first fp32 taps; the trees parked 88 before
-    their root paths moved to shared memory), bounded at WIDE_FRAME_BYTES."""
+    verify past 8 tokens runs at the 255-register ceiling: its trees park up to 16 bytes, its
+    conv chains up to 32 (H 16 Q 15 softplus, dim-first fp32 taps) and its conv trees up to 40
+    (H 16 Q 16 softplus, dim-first fp32 taps, lags by chased indexes; the trees parked 88
+    before their root paths moved to shared memory), bounded at WIDE_FRAME_BYTES."""
     commit = [
         (r.variant, r.arch, r.frame_bytes)
         for r in records

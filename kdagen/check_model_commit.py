@@ -10,7 +10,7 @@ slots, slot padding, records, guards) must be unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -107,7 +107,8 @@ def _plan_inputs(case: ModelCase, window: int, slot_count: int, gen: torch.Gener
     if case.outside:
         slots[0], slots[1] = -2, slot_count
         out["request_index"][2] = owners
-        out["block_table"][out["request_index"][3].long(), :] = slot_count + 5
+        if case.align:
+            out["block_table"][out["request_index"][3].long(), :] = slot_count + 5
     out |= {"slots": slots.to(slot_dtype), "accepted": accepted}
     return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
@@ -286,9 +287,19 @@ def _buffer_index(inputs: dict, layer: int, kind: int) -> int:
     return layer * per + kind
 
 
+def model_cases(variant: Variant) -> tuple[ModelCase, ...]:
+    """The all-layer cases ``variant`` serves: a build without prefix caching takes vLLM's
+    cases without block tables (the run-time never sends it any)."""
+    cases = TREE_MODEL_CASES if variant.tree else MODEL_CASES
+    if variant.prefix_caching:
+        return cases
+    lean = (replace(c, name=c.name.replace("-align", "-dim-first"), align=False) for c in cases)
+    return tuple(lean)
+
+
 def check_model_commit(variant: Variant, seed: int = 0) -> list[CaseResult]:
     """Every all-layer case, each on fresh random inputs."""
-    cases = TREE_MODEL_CASES if variant.tree else MODEL_CASES
+    cases = model_cases(variant)
     return [run_model_case(variant, case, seed + 100 + i) for i, case in enumerate(cases)]
 
 

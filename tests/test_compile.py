@@ -224,6 +224,20 @@ def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path)
     assert record.ok and record.cached
 
 
+@pytest.mark.parametrize("name", ["commit-h12-q8-i32-bulk-t256-v4-r1-pdl",
+                                  "commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r2-pdl"])  # fmt: skip
+def test_the_commit_without_prefix_caching_frees_registers(name: str, tmp_path: Path) -> None:
+    """Compiling vLLM's block tables and the boundary fold out of the commit (the
+    ``noprefix`` build) lets a 256-thread CTA fit four to an SM (at most 64 registers; the
+    general build takes 75) with no stack frame."""
+    general = Variant.parse(name)
+    lean = general.replace(prefix_caching=False)
+    records = [kcompile.compile_variant(v, "sm_90a", tmp_path) for v in (general, lean)]
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert records[1].registers < records[0].registers
+    assert records[1].registers <= 64 and records[1].frame_bytes == 0
+
+
 @pytest.mark.parametrize(
     ("name", "helper", "registers", "frame"),
     [

@@ -170,6 +170,33 @@ def test_a_key_outside_the_tuned_space_takes_the_heuristic_not_the_default(fresh
     assert chosen.tuning == R1 and warned == []
 
 
+def test_a_commit_without_prefix_caching_takes_the_lean_build_once_it_is_tuned(
+    fresh: Path,
+) -> None:
+    """The build without prefix caching serves a commit that passes no block tables only
+    where the table measured its key; block tables always take the general build."""
+    from kdagen.serve.runtime import _dispatched
+
+    def run(**fields: object) -> Variant:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DispatchFallbackWarning)
+            return _dispatched("commit", 12, 8, "int32", 64, None, None, **fields)
+
+    write_table(fresh, make_table())
+    assert run().prefix_caching and run().tuning == R1  # its key untuned: the general build
+    lean = make_table().entries | {"commit-h12-q8-noprefix-i32": [Entry(64, R4, 20.0)]}
+    write_table(fresh, make_table(entries=lean))
+    dispatch.reset()
+    chosen = run()
+    assert not chosen.prefix_caching and chosen.tuning == R4
+    assert chosen.name == "commit-h12-q8-noprefix-i32-bulk-t128-v4-r4-pdl"
+    assert run(prefix_caching=True).prefix_caching  # block tables: the general build
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KDAGEN_DISPATCH", "off")
+        dispatch.reset()
+        assert run().prefix_caching  # the heuristic stays on the checked general build
+
+
 def test_no_table_for_this_gpu_uses_the_heuristic_and_warns_once() -> None:
     chosen, warned = pick(16)
     assert chosen == heuristic() and len(warned) == 1 and "no dispatch table" in warned[0]

@@ -125,6 +125,38 @@ def test_commit_context_matches_vllm(align: bool, dim_first: bool, monkeypatch) 
     assert moved  # the comparison covered committed slots
 
 
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_the_build_without_prefix_caching_commits_as_the_general_one(dim_first: bool) -> None:
+    """Without block tables the ``noprefix`` build (the plan and boundary fold compiled out)
+    leaves every byte of every layer (states, conv states, records) as the general build
+    does: the same fold, only fewer registers."""
+    from kdagen.serve.model_commit import ModelCommit
+
+    gen = torch.Generator().manual_seed(SEED)
+    heads, window, batch = 12, 8, 16
+    layers = vllm_layers(4, heads, window, 1 + batch, dim_first, gen)
+    model = ModelCommit(
+        [layer.kv_cache[1] for layer in layers], [layer.kv_cache[2] for layer in layers],
+        [layer.kv_cache[3] for layer in layers], [layer.A_log for layer in layers],
+        [layer.dt_bias for layer in layers], records_by_slot=True,
+        conv_states=[layer.kv_cache[0] for layer in layers], conv_dim_first=dim_first,
+    )  # fmt: skip
+    slots = (1 + torch.randperm(batch, generator=gen)).int()
+    slots[0] = 0  # a padding request
+    accepted = torch.randint(0, window + 2, (batch,), generator=gen, dtype=torch.int32)
+    start = snapshot(layers)
+    results = []
+    for key in (f"commit-h{heads}-q{window}-i32", f"commit-h{heads}-q{window}-noprefix-i32"):
+        restore(layers, start)
+        model.commit(slots.cuda(), accepted.cuda(), variant=f"{key}-bulk-t256-v4-r1-pdl")
+        torch.cuda.synchronize()
+        results.append(snapshot(layers))
+    general, lean = results
+    for got, want in zip(lean, general, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), f"seed {SEED}"
+    assert any(not torch.equal(got[1], before[1]) for got, before in zip(lean, start, strict=True))
+
+
 def test_decode_loop_with_graph_replayed_commit() -> None:
     """20 steps over 3 layers: kdagen's vLLM verify writes the records, the sampler accepts a
     random prefix, one graph-replayed all-layer commit folds it. The state pools follow the

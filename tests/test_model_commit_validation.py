@@ -134,6 +134,17 @@ def test_bad_steps_are_named(step: dict, pattern: str) -> None:
         model().validate_step(args.pop("slots"), args.pop("accepted"), **args)
 
 
+def test_block_tables_refuse_a_build_without_prefix_caching() -> None:
+    """An explicit ``noprefix`` variant cannot serve vLLM's align mode (it has no block
+    tables): refused before any launch, naming the field; without block tables it fits."""
+    lean = f"commit-h{H}-q{Q}-noprefix-i32-bulk-t128-v4-r4-pdl"
+    slots, accepted = torch.tensor([1, 2], dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    align = {"block_table": torch.ones(2, 3, dtype=torch.int32),
+             "num_computed": torch.zeros(2, dtype=torch.int32), "block_size": 16}  # fmt: skip
+    with pytest.raises(KdaInputError, match="prefix_caching: variant has False, tensors need True"):
+        model().commit(slots, accepted, variant=lean, **align)
+
+
 def vllm_layers(bounds: list | None = None) -> list[SimpleNamespace]:
     """vLLM-shaped layers over ``pools()`` (records per state block in kv_cache)."""
     args, bounds = pools(), bounds or [-5.0] * LAYERS

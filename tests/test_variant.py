@@ -67,6 +67,26 @@ def test_windows_past_8_are_the_one_warpgroup_kernels(name: str, message: str) -
     assert Variant.parse("verify-h12-q16-tree-i32-sm100_tcgen05-c296").window == 16
 
 
+def test_the_commit_without_prefix_caching_is_its_own_contract_key() -> None:
+    """``prefix_caching=False``: a commit build without vLLM's block tables, named by a
+    ``noprefix`` token; today's names (the general build) are unchanged; verify has no such
+    build."""
+    lean = Variant(**BASE, prefix_caching=False, threads=256, vec=4)
+    assert lean.name == "commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-pdl"
+    assert Variant.parse(lean.name) == lean and lean.contract_key == "commit-h12-q8-noprefix-i32"
+    general = lean.replace(prefix_caching=True)
+    assert general.name == "commit-h12-q8-i32-bulk-t256-v4-r1-pdl"
+    assert "prefix_caching=False" in lean.contract_summary
+    assert "prefix_caching" not in general.contract_summary
+    assert "block_table" in render(general) and "block_table" not in render(lean)
+    assert "boundary" not in render(lean)
+    with pytest.raises(
+        VariantError, match="prefix_caching=False is not allowed for kernel 'verify'"
+    ):
+        Variant(kernel="verify", heads=12, window=8, path="sm90_wgmma", ctas=528,
+                prefix_caching=False)  # fmt: skip
+
+
 def test_parse_rejects_garbage_with_an_example() -> None:
     with pytest.raises(VariantError, match="cannot parse variant name.*e.g."):
         Variant.parse("commit-twelve-heads")

@@ -41,8 +41,7 @@ def commit_params(variant: Variant) -> tuple[Param, ...]:
         Param("accepted", "ptr", "int32", 4),  # [owners]
         Param("request_index", "ptr", "int32", 4),  # [B] (indirect)
         Param("query_start", "ptr", "int32", 4),  # [B + 1] (windowed)
-        Param("block_table", "ptr", "int32", 4),  # [table_rows, table_width] (block_size > 0)
-        Param("num_computed", "ptr", "int32", 4),  # [owners] (block_size > 0)
+        *_prefix_caching_pointers(variant),
         Param("path", "ptr", "int32", 4),  # [B, Q] (by_path)
         Param("layers", "i32"),
         Param("batch", "i32"),
@@ -55,10 +54,7 @@ def commit_params(variant: Variant) -> tuple[Param, ...]:
         Param("records_by_slot", "i32"),
         Param("indirect", "i32"),
         Param("windowed", "i32"),
-        Param("block_size", "i32"),
-        Param("table_rows", "i32"),
-        Param("table_width", "i32"),
-        Param("table_stride", "i64"),
+        *_prefix_caching_sizes(variant),
         Param("by_path", "i32"),
         Param("conv_mode", "i32"),  # 0: no conv state, 1: channel by channel, 2: 16-byte rows
         Param("conv_slot_stride", "i64"),
@@ -67,6 +63,27 @@ def commit_params(variant: Variant) -> tuple[Param, ...]:
         Param("lower_bound", "f32"),
         Param("null_slot", "i64"),
         Param("stream", "stream"),
+    )
+
+
+def _prefix_caching_pointers(variant: Variant) -> tuple[Param, ...]:
+    """vLLM's prefix caching (align mode): only a build with ``prefix_caching`` takes it."""
+    if not variant.prefix_caching:
+        return ()
+    return (
+        Param("block_table", "ptr", "int32", 4),  # [table_rows, table_width] (block_size > 0)
+        Param("num_computed", "ptr", "int32", 4),  # [owners] (block_size > 0)
+    )
+
+
+def _prefix_caching_sizes(variant: Variant) -> tuple[Param, ...]:
+    if not variant.prefix_caching:
+        return ()
+    return (
+        Param("block_size", "i32"),
+        Param("table_rows", "i32"),
+        Param("table_width", "i32"),
+        Param("table_stride", "i64"),
     )
 
 

@@ -217,6 +217,7 @@ _lock = threading.Lock()
 _tables: dict[Path, DispatchTable | None] = {}
 _fresh: set[tuple[Path, str]] = set()
 _choices: dict[tuple[Any, ...], Variant] = {}
+_tuned: dict[tuple[Any, ...], bool] = {}
 _warned: set[tuple[str, str]] = set()
 _fingerprints: dict[Any, str] = {}
 
@@ -227,6 +228,7 @@ def reset() -> None:
         _tables.clear()
         _fresh.clear()
         _choices.clear()
+        _tuned.clear()
         _warned.clear()
         _fingerprints.clear()
 
@@ -252,6 +254,22 @@ def choose(
     with _lock:
         found = _choose(kernel, batch, heuristic, device)
         _choices[cache_key] = found
+    return found
+
+
+def tuned(kernel: str, key: str, device: Any = None) -> bool:
+    """Whether the table serving ``device`` has measured ``key`` (dispatch not switched off):
+    what a contract with an optional faster build (the commit without prefix caching) asks
+    before it prefers that build to the general one."""
+    if os.environ.get("KDAGEN_DISPATCH", "").lower() in ("off", "0", "heuristic"):
+        return False
+    found = _tuned.get((device, kernel, key))
+    if found is None:
+        with _lock:
+            folder = _table_folder(device)
+            table = None if folder is None else _table(folder)
+            found = table is not None and kernel in table.kernels() and bool(table.entries.get(key))
+            _tuned[(device, kernel, key)] = found
     return found
 
 

@@ -240,12 +240,14 @@ class ModelCommit:
             values |= self._path_args(path, values)
         if values["batch"] == 0:
             return
-        # The conv history along a tree's path is the tree commit kernel's (rows by path).
+        # The conv history along a tree's path is the tree commit kernel's (rows by path);
+        # block tables need the build with prefix caching (without them: either build).
         tree = path is not None and bool(self.conv_states)
+        prefix = {"prefix_caching": True} if values.get("block_size", 0) > 0 else {}
         chosen = _resolve_variant(variant, "commit", self.heads, self.window,
                                   "int32" if slots.dtype == torch.int32 else "int64",
                                   self.layers * values["batch"], self.device,
-                                  gate=self.gate, tree=tree)  # fmt: skip
+                                  gate=self.gate, tree=tree, **prefix)  # fmt: skip
         launch_commit(chosen, **values)
 
     def validate_step(

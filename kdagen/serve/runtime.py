@@ -43,16 +43,24 @@ def launcher(variant: Variant, arch: str) -> Any:
 
 
 def default_commit_variant(
-    heads: int, window: int, slot_dtype: str, batch: int, gate: str = "kda", tree: bool = False
+    heads: int,
+    window: int,
+    slot_dtype: str,
+    batch: int,
+    gate: str = "kda",
+    tree: bool = False,
+    prefix_caching: bool = True,
 ) -> Variant:
     """Built-in heuristic until a dispatch table is present (the H200 sweep in
     docs/history/commit.md): split each (request, head) over more CTAs while the items alone
-    cannot keep every SM's copy engine busy. ``tree``: the conv history along a tree's path."""
+    cannot keep every SM's copy engine busy. ``tree``: the conv history along a tree's path;
+    ``prefix_caching``: the build that takes vLLM's block tables."""
     items = batch * heads
     threads, row_split = (128, 4) if items < 128 else (128, 2) if items < 384 else (256, 1)
     return Variant(
         kernel="commit", heads=heads, window=window, slot_dtype=slot_dtype, gate=gate,
-        tree=tree, path="bulk", threads=threads, vec=4, row_split=row_split,
+        tree=tree, prefix_caching=prefix_caching, path="bulk", threads=threads, vec=4,
+        row_split=row_split,
     )  # fmt: skip
 
 
@@ -193,10 +201,15 @@ def _dispatched(
     **fields: Any,
 ) -> Variant:
     """The GPU's dispatch table choice (generated/<gpu>/), else the built-in heuristic;
-    ``fields``: the other contract fields (gate, conv settings)."""
+    ``fields``: the other contract fields (gate, conv settings). A commit that does not use
+    prefix caching (no ``prefix_caching`` field) runs the build without it where the table
+    has measured that build's key, else the general one."""
     from . import dispatch
 
     contract = {"heads": heads, "window": window, "slot_dtype": slot_dtype, **fields}
+    if kernel == "commit" and "prefix_caching" not in contract:
+        lean = _lean_commit_key(tuple(sorted(contract.items())))
+        contract["prefix_caching"] = not dispatch.tuned(kernel, lean, device)
     return dispatch.choose(
         kernel, contract, batch, lambda: heuristic_variant(kernel, contract, batch, arch),
         device=device,
@@ -218,10 +231,17 @@ def heuristic_variant(
     gate = contract.get("gate", "kda")
     if kernel == "commit":
         return default_commit_variant(heads, window, slot_dtype, batch, gate,
-                                      contract.get("tree", False))  # fmt: skip
+                                      contract.get("tree", False),
+                                      contract.get("prefix_caching", True))  # fmt: skip
     fields = ("conv", "conv_layout", "conv_weight_dtype", "tree")
     return default_verify_variant(heads, window, slot_dtype, batch, arch=arch, sms=sms,
                                   gate=gate, **{k: contract[k] for k in fields if k in contract})  # fmt: skip
+
+
+@functools.cache
+def _lean_commit_key(contract: tuple[tuple[str, Any], ...]) -> str:
+    """The contract key of the commit build without prefix caching for ``contract``."""
+    return Variant(kernel="commit", prefix_caching=False, **dict(contract)).contract_key
 
 
 def _resolve_variant(

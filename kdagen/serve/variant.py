@@ -24,6 +24,7 @@ CONTRACT_FIELDS = (
     "state_dtype",
     "gate",
     "tree",
+    "prefix_caching",
 )
 TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "stages", "pdl")
 
@@ -42,6 +43,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     # path; commit: the conv history moved along the tree's accepted path (its rolled rows
     # are not contiguous)
     "tree": (False, True),
+    # commit: whether the kernel takes vLLM's prefix caching (align mode: block tables, the
+    # boundary state); without it the plan and the boundary fold are compiled out, which
+    # frees registers (docs/history/model-commit.md). Verify never reads block tables.
+    "prefix_caching": (True, False),
     "threads": (32, 64, 128, 256, 512),
     "vec": (4, 8),  # a state row then spans 32 or 16 threads (within a warp)
     "row_split": (1, 2, 4, 8),
@@ -125,6 +130,7 @@ class Variant:
     state_dtype: str = "bf16"
     gate: str = "kda"
     tree: bool = False
+    prefix_caching: bool = True
     # ---- tuning ----
     path: str = ""  # "": the kernel's first path in PATHS
     threads: int = 128
@@ -169,6 +175,8 @@ class Variant:
             parts.append(self.gate)
         if self.tree:
             parts.append("tree")
+        if not self.prefix_caching:
+            parts.append("noprefix")
         if self.conv:
             parts += ["conv", _SHORT[self.conv_layout], self.conv_weight_dtype]
         parts.append(_SHORT[self.slot_dtype])
@@ -187,12 +195,15 @@ class Variant:
     @property
     def contract_summary(self) -> str:
         """The contract fields that mean something for this kernel (conv settings only with
-        conv, and never for commit, which does not read the conv state; tree only when set)."""
+        conv, and never for commit, which does not read the conv state; tree only when set,
+        prefix caching only when left out)."""
         unused = {"kernel"} | ({"conv"} if self.kernel == "commit" else set())
         if not self.conv:
             unused |= {"conv_layout", "conv_weight_dtype"}
         if not self.tree:
             unused |= {"tree"}
+        if self.prefix_caching:
+            unused |= {"prefix_caching"}
         return ", ".join(f"{k}={v}" for k, v in self.contract.items() if k not in unused)
 
     @property
@@ -249,7 +260,8 @@ def parse_contract_key(key: str) -> dict[str, Any]:
             raise ValueError(f"unexpected {'-'.join(tokens)!r} after the slot dtype")
     except IndexError:
         raise VariantError(
-            f"contract key {key!r} ends early: expected kernel-hH-qQ[-softplus][-tree][-conv-LAYOUT-TAPS]-SLOTS, "
+            f"contract key {key!r} ends early: expected "
+            "kernel-hH-qQ[-softplus][-tree][-noprefix][-conv-LAYOUT-TAPS]-SLOTS, "
             "e.g. 'verify-h12-q8-i32' or 'verify-h12-q8-conv-tm-bf16-i32'"
         ) from None
     except (KeyError, ValueError) as err:
@@ -269,6 +281,8 @@ def _pop_contract(tokens: list[str]) -> dict[str, Any]:
         values["gate"] = tokens.pop(0)
     if tokens and tokens[0] == "tree":
         values["tree"] = tokens.pop(0) == "tree"
+    if tokens and tokens[0] == "noprefix":
+        values["prefix_caching"] = tokens.pop(0) != "noprefix"
     if tokens and tokens[0] == "conv":
         tokens.pop(0)
         values["conv"] = True
@@ -315,6 +329,11 @@ def _check_path_rules(v: Variant) -> None:
         )
     if v.tree and v.window < 2:
         raise VariantError(f"tree=True needs a window of at least 2 tokens; got window={v.window}")
+    if v.kernel == "verify" and not v.prefix_caching:
+        raise VariantError(
+            "prefix_caching=False is not allowed for kernel 'verify': only commit reads "
+            "block tables; allowed values: [True]"
+        )
     most = _MAX_WINDOW.get(v.path, 8)
     if v.kernel == "verify" and v.window > most:
         raise VariantError(

@@ -282,7 +282,8 @@ def _pop_contract(tokens: list[str]) -> dict[str, Any]:
     if tokens and tokens[0] == "tree":
         values["tree"] = tokens.pop(0) == "tree"
     if tokens and tokens[0] == "noprefix":
-        values["prefix_caching"] = tokens.pop(0) != "noprefix"
+        tokens.pop(0)
+        values["prefix_caching"] = False
     if tokens and tokens[0] == "conv":
         tokens.pop(0)
         values["conv"] = True

@@ -226,13 +226,13 @@ def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path)
 
 @pytest.mark.parametrize("name", ["commit-h12-q8-i32-bulk-t256-v4-r1-pdl",
                                   "commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r2-pdl"])  # fmt: skip
-def test_the_commit_without_prefix_caching_frees_registers(name: str, tmp_path: Path) -> None:
+def test_the_commit_without_prefix_caching_frees_registers(name: str, cache: Path) -> None:
     """Compiling vLLM's block tables and the boundary fold out of the commit (the
     ``noprefix`` build) lets a 256-thread CTA fit four to an SM (at most 64 registers; the
     general build takes 75) with no stack frame."""
     general = Variant.parse(name)
     lean = general.replace(prefix_caching=False)
-    records = [kcompile.compile_variant(v, "sm_90a", tmp_path) for v in (general, lean)]
+    records = [kcompile.compile_variant(v, "sm_90a", cache) for v in (general, lean)]
     assert all(r.ok for r in records), [r.error for r in records]
     assert records[1].registers < records[0].registers
     assert records[1].registers <= 64 and records[1].frame_bytes == 0
@@ -249,7 +249,7 @@ def test_the_commit_without_prefix_caching_frees_registers(name: str, tmp_path: 
     ],
 )  # fmt: skip
 def test_the_conv_trees_without_selects_compile(
-    name: str, helper: str, registers: int, frame: int, tmp_path: Path
+    name: str, helper: str, registers: int, frame: int, cache: Path
 ) -> None:
     """The conv trees whose lags are loaded, not selected: staged in shared memory at 5 to 8
     tokens (within 3 resident CTAs' registers and the 8 stack bytes a verify may park), by
@@ -259,6 +259,6 @@ def test_the_conv_trees_without_selects_compile(
     source = krender.render(variant)
     assert f"from kdagen.dsl.tree_conv_{helper} import conv_silu_tree_{helper}" in source
     assert "kdagen.dsl.tree_conv import" not in source
-    record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
+    record = kcompile.compile_variant(variant, "sm_90a", cache)
     assert record.ok, record.error
     assert record.registers <= registers and record.frame_bytes <= frame

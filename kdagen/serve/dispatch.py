@@ -268,7 +268,7 @@ def tuned(kernel: str, key: str, device: Any = None) -> bool:
         with _lock:
             folder = _table_folder(device)
             table = None if folder is None else _table(folder)
-            found = table is not None and kernel in table.kernels() and bool(table.entries.get(key))
+            found = table is not None and bool(table.entries.get(key))
             _tuned[(device, kernel, key)] = found
     return found
 

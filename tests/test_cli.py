@@ -28,10 +28,13 @@ def test_help_lists_the_pipeline() -> None:
 def test_variants_prints_count_constraints_and_names() -> None:
     result = runner.invoke(app, ["variants", "--space", "commit.yaml"])
     assert result.exit_code == 0, result.output
-    assert "space commit (commit): 616 variants from 1152 points" in result.output
-    assert "removed  480: the models' head counts per GPU" in result.output
-    assert "removed   56: at most 16 update chunks per thread" in result.output
+    assert "space commit (commit): 748 variants from 2304 points" in result.output
+    assert "removed  960: the models' head counts per GPU" in result.output
+    assert "removed  484: the build without prefix caching" in result.output
+    assert "removed  112: at most 16 update chunks per thread" in result.output
     assert "commit-h12-q8-i32-bulk-t128-v8-r1-pdl" in result.output
+    assert "commit-h12-q8-noprefix-i32-bulk-t128-v8-r1-pdl" in result.output
+    assert "commit-h12-q8-noprefix-i64-bulk-t128-v8-r1-pdl" not in result.output
 
 
 def test_variants_bad_space_file(tmp_path: Path) -> None:
@@ -90,7 +93,9 @@ def test_match_takes_a_comma_separated_list() -> None:
     assert _filter(variants, f"{one[0].name},{other[0].name}") == one + other
     assert _filter(variants, "no-such-variant,") == []
     assert _filter(variants, None) == variants
-    plans, _ = plan_studies(["commit.yaml"], "workloads.yaml", "sm_90a", "commit-h12-q1-i32,h96-q8")
+    plans, _ = plan_studies(
+        ["commit.yaml"], "workloads.yaml", "sm_90a", "commit-h12-q1-i32,h96-q8-i"
+    )
     assert sorted(p.key for p in plans) == [
         "commit-h12-q1-i32",
         "commit-h96-q8-i32",

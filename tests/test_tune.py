@@ -431,7 +431,7 @@ def test_a_template_edit_measures_again_only_the_studies_it_changes(
     path = tmp_path / "workloads.yaml"
     path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n"
                     "  - {name: q2, heads: 12, window: 2, batches: [1]}\n")  # fmt: skip
-    opts = options(tmp_path, path, simulate={}, match="i32", trials=3)
+    opts = options(tmp_path, path, simulate={}, match="q1-i32,q2-i32", trials=3)
     run(opts, lambda s: None, fixed_default)
     folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
 
@@ -461,7 +461,9 @@ def test_a_template_edit_measures_again_only_the_studies_it_changes(
     assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
                            krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
     space = table.space["commit"]  # the whole space the lookup stays in, not only what ran
-    assert {v.name for v in candidates()} == set(space[KEY]) and len(space) == (3 + 4) * 4 * 2
+    assert {v.name for v in candidates()} == set(space[KEY])
+    # every contract key: both gates' heads, and the build without prefix caching (kda, int32)
+    assert len(space) == (3 + 4) * 4 * 2 + 3 * 4
 
 
 def test_a_refactor_that_compiles_to_the_same_code_keeps_its_studies(
@@ -469,7 +471,7 @@ def test_a_refactor_that_compiles_to_the_same_code_keeps_its_studies(
 ) -> None:
     path = tmp_path / "workloads.yaml"
     path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1, 8]}\n")
-    opts = options(tmp_path, path, simulate={}, match="i32", trials=3)
+    opts = options(tmp_path, path, simulate={}, match="q1-i32", trials=3)
     run(opts, lambda s: None, fixed_default)
     folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
     before = {name: [(t.number, t.value) for t in study.get_trials()]
@@ -495,7 +497,7 @@ def test_restamp_carries_a_refactor_without_a_gpu_and_refuses_a_code_change(
 ) -> None:
     path = tmp_path / "workloads.yaml"
     path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n")
-    run(options(tmp_path, path, simulate={}, match="i32", trials=3), lambda s: None,
+    run(options(tmp_path, path, simulate={}, match="q1-i32", trials=3), lambda s: None,
         fixed_default)  # fmt: skip
     folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
     runs = json.loads((folder / "runs.json").read_text())

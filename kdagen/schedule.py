@@ -11,7 +11,7 @@ over (this one fell silent too long) is left to that process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kdagen.claims import HELD, RELEASED, Claim, Claims, ClaimView
@@ -40,10 +40,12 @@ class Schedule:
         claims: Claims,
         done_for: Callable[[str], str],
         echo: Callable[[str], None],
+        complete: Collection[str] = (),
     ) -> None:
+        """``complete``: studies an earlier run finished for this run's goal, never claimed."""
         self.names, self.claims, self.done_for, self.echo = list(names), claims, done_for, echo
         self.poll_s = min(1.0, claims.beat_s)  # how often a waiting slot reads the claims
-        self.done: set[str] = set()
+        self.done: set[str] = set(complete) & set(self.names)
         self.ran_here = 0
         self.here: dict[str, Claim] = {}
         self.error: BaseException | None = None
@@ -159,8 +161,9 @@ class Schedule:
 
     def _done_elsewhere(self, view: ClaimView | None) -> bool:
         """Released done, for this run's goal, by a process seen holding it during this run.
-        A claim released before (an earlier run's) is claimed again: the study is run here,
-        which measures nothing when it is complete but re-picks, re-stamps and the like."""
+        A claim released before (an earlier run's) and not among the caller's ``complete`` is
+        claimed again: the study is run here, which measures nothing when it is complete but
+        re-picks, re-stamps and the like."""
         if view is None or view.name not in self.claims.seen_held:
             return False
         return (view.released or {}).get("done_for") == self.done_for(view.study)

@@ -276,13 +276,22 @@ def _run(
     stale = stale_studies(storage, {n: p.space_hash for n, (p, _) in planned.items()}, stamp)
     _say_restarts(stale, echo)  # deleted by whichever process claims each (run_one)
     ledger = Ledger(checked=passed_checks(options.checked))
-    for study in fresh_studies(storage, stamp):
+    fresh = fresh_studies(storage, stamp)
+    for study in fresh:
         ledger.add_study(study)
     progress = Progress(echo)
     checkout = stamp.digest
     claims = Claims(storage, checkout, options.claim_timeout_s, warn=echo)
-    schedule = Schedule(list(planned), claims,
-                        lambda name: _goal(checkout, planned[name][0], options), echo)  # fmt: skip
+
+    def goal(name: str) -> str:
+        return _goal(checkout, planned[name][0], options)
+
+    complete = {study.study_name for study in fresh if study.study_name in planned
+                and _finished(study, planned[study.study_name][0], options)}  # fmt: skip
+    if complete:
+        echo(f"{len(complete)} of {len(planned)} studies already complete for this run's "
+             "kernels, candidates, trials and pick rule: not run again")  # fmt: skip
+    schedule = Schedule(list(planned), claims, goal, echo, complete)
 
     def run_one(slot: Slot, claim: Claim, label: str) -> None:
         plan, batch = planned[claim.study]
@@ -304,7 +313,7 @@ def _run(
             raise TuneError(where + failure.reason) from None
 
     schedule.run(slots, run_one)
-    others = len(planned) - schedule.ran_here
+    others = len(planned) - schedule.ran_here - len(complete)
     echo(f"all {len(planned)} studies done ({schedule.ran_here} here"
          f"{f', {others} by other tune processes' if others else ''}); on {gpus}: "
          f"{progress.totals()}")  # fmt: skip
@@ -338,6 +347,27 @@ def _folder_storage(folder: Path) -> str:
         return folder_url(folder)
 
 
+def _finished(study: optuna.Study, plan: StudyPlan, options: TuneOptions) -> bool:
+    """Whether running ``study`` (fresh) again would measure, re-time, re-pick and re-stamp
+    nothing: its budget of candidates scored, its finals over exactly those at this run's
+    rounds and pick rule, and this run's workloads recorded. Such a study is not claimed: each
+    claim still costs storage reads and writes (about 2 s on a table of 700 studies), so a
+    resumed tune would otherwise spend its time walking what it already has."""
+    attrs = study.user_attrs
+    final = attrs.get("final") or {}
+    n = len(plan.candidates)
+    scored = len(recorded(study))
+    return (scored >= _budget(n, options) and final.get("scored") == scored
+            and final.get("rounds") == options.rounds and final.get("pick_rule") == PICK_RULE
+            and (scored < n or "efficiency" in attrs)
+            and set(plan.workloads) <= set(attrs.get("workloads", ())))  # fmt: skip
+
+
+def _budget(candidates: int, options: TuneOptions) -> int:
+    """Candidates a study scores: all of them (``exhaustive``), else ``trials`` at most."""
+    return candidates if options.exhaustive else min(options.trials, candidates)
+
+
 def _say_restarts(stale: dict[str, str], echo: Callable[[str], None]) -> None:
     if stale:
         n = len(stale)
@@ -351,8 +381,7 @@ def _goal(checkout: str, plan: StudyPlan, options: TuneOptions) -> str:
     """What a finished study was finished for (kernels, candidates, trials, rounds, pick rule):
     a process with the same goal takes it as done; one with another runs it again (more
     trials, say)."""
-    n = len(plan.candidates)
-    budget = n if options.exhaustive else min(options.trials, n)
+    budget = _budget(len(plan.candidates), options)
     text = json.dumps([checkout, plan.space_hash, budget, options.rounds, PICK_RULE])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -378,8 +407,7 @@ def run_study(
     _stamp_study(study, plan, batch, stamp)
     fail_interrupted(storage, study)
     default = (default_for or ev.default)(plan.candidates[0], batch)
-    n = len(space.candidates)
-    budget = n if options.exhaustive else min(options.trials, n)
+    budget = _budget(len(space.candidates), options)
     enqueue(study, space, [default, *plan.candidates] if options.exhaustive else [default])
     started = time.perf_counter()
     best = [(o.value, name) for name, o in recorded(study).items() if o.ok]

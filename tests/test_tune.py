@@ -373,6 +373,33 @@ def test_tune_scores_failures_never_retries_and_writes_the_outputs(
     assert (folder / "plots" / f"{KEY}.svg").read_text().startswith("<svg")
 
 
+def test_a_resumed_run_claims_no_study_it_already_finished(tmp_path: Path, workloads: Path) -> None:
+    """A study finished for the same candidates, trials, rounds and pick rule is not claimed
+    again (on the H200's table each claim cost about 2 s of storage work, so a resumed run
+    spent half an hour reaching its new studies); one that needs more trials is run."""
+    run(options(tmp_path, workloads, simulate={}, trials=3), lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    storage = f"sqlite:///{folder / 'studies.db'}"
+
+    def claims() -> list[str]:
+        return sorted(s.study_name for s in optuna.get_all_study_summaries(storage)
+                      if is_claim(s.study_name))  # fmt: skip
+
+    before = claims()
+    said: list[str] = []
+    run(options(tmp_path, workloads, simulate={}, trials=3), said.append, fixed_default)
+    assert any("2 of 2 studies already complete" in line for line in said), said
+    assert not any("] done;" in line for line in said)
+    assert claims() == before  # neither claimed nor released again
+    assert any("all 2 studies done (0 here)" in line for line in said), said
+
+    said.clear()
+    run(options(tmp_path, workloads, simulate={}, trials=5), said.append, fixed_default)
+    assert not any("already complete" in line for line in said)
+    assert sum("] done;" in line for line in said) == 2
+    assert all(len(set(scored_names(s))) == 5 for s in studies_of(folder).values())
+
+
 def test_a_killed_run_resumes_without_redoing_trials(tmp_path: Path, workloads: Path) -> None:
     run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
     folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"

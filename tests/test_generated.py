@@ -61,3 +61,31 @@ def test_table_records_the_shipped_space_its_lookup_stays_in(folder: Path) -> No
     assert table is not None
     arch = str(table.device.get("arch"))
     assert table.space == space_points(list(SPACES.values()), arch)
+
+
+def test_the_h200_table_sends_commits_without_block_tables_to_the_lean_build_it_tuned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run-time on the H200 with the shipped table: a commit without block tables takes
+    the build without prefix caching where the table tuned its key (Kimi-K3 at int32 slots),
+    the general build elsewhere (Kimi-Linear's gate, int64 slots) and with block tables."""
+    from kdagen.serve import dispatch
+    from kdagen.serve.runtime import _dispatched
+
+    monkeypatch.setenv("KDAGEN_FINGERPRINT", "nvidia-h200-sm90-132sm")
+    dispatch.reset()
+    try:
+        table = load_table(GENERATED / "nvidia-h200-sm90-132sm")
+        assert table is not None
+        model = 4096  # layers x requests: Kimi-K3's 69 layers at B = 59
+        k3 = _dispatched("commit", 12, 8, "int32", model, None, "sm_90a")
+        assert not k3.prefix_caching
+        rows = {e.batch: e.variant for e in table.entries["commit-h12-q8-noprefix-i32"]}
+        assert k3.name == rows[model]
+        assert _dispatched("commit", 12, 8, "int32", model, None, "sm_90a",
+                           prefix_caching=True).prefix_caching  # fmt: skip
+        assert _dispatched("commit", 12, 8, "int64", 64, None, "sm_90a").prefix_caching
+        assert _dispatched("commit", 32, 8, "int32", model, None, "sm_90a",
+                           gate="softplus").prefix_caching  # fmt: skip
+    finally:
+        dispatch.reset()

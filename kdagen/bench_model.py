@@ -113,6 +113,7 @@ class ModelBenchRow:
     layers: int
     batch: int
     sets: int
+    commit_variant: str  # the kernel the run-time launched for it (layers x batch)
     commit_us: float  # kdagen's vLLM commit context (conv compacted)
     commit_spread_pct: float
     commit_floor_us: float
@@ -194,6 +195,7 @@ def _bench_batch(sets: list[ModelSet], window: int, batch: int, peer_commit: Any
                      s.step["num_accepted_tokens"], query_start=s.step["query_start_loc"])
              for s in sets]  # fmt: skip
     no_conv = time_graph(plain).median_us
+    ran = model_commit(sets[0], conv=True).variant_for(batch, sets[0].step["state_indices"].dtype)
     theirs = commits(peer_commit) if peer_commit is not None else None
     step_us = vllm_step = None
     if step:
@@ -208,7 +210,7 @@ def _bench_batch(sets: list[ModelSet], window: int, batch: int, peer_commit: Any
             vllm_step = _timed(launches, len(sets))
     heads, layers = sets[0].layers[0].local_num_heads, len(sets[0].layers)
     return ModelBenchRow(
-        heads, window, layers, batch, len(sets), round(mine.median_us, 3),
+        heads, window, layers, batch, len(sets), ran.name, round(mine.median_us, 3),
         round(mine.spread_pct, 1), round(floor, 3), round(no_conv, 3), round(floor_no_conv, 3),
         None if theirs is None else round(time_graph(theirs).median_us, 3),
         None if step_us is None else round(step_us, 3),

@@ -371,6 +371,9 @@ def _bench_model(kernel: str | None, heads: int, window: int, layers: int, batch
             f"{r.commit_no_conv_us:>8.2f} {r.commit_no_conv_floor_us:>8.2f} "
             f"{_us(r.step_us):>9} {_us(r.step_floor_us):>8} {_us(r.vllm_step_us):>10}"
         )
+    for variant in sorted({r.commit_variant for r in rows}):
+        at = ", ".join(str(r.batch) for r in rows if r.commit_variant == variant)
+        typer.echo(f"commit kernel at B {at}: {variant}")
     typer.echo(f"wrote {json_path}, {csv_path} (us per launch; commit: vLLM's commit context "
                "with the conv compacted; no-conv: ModelCommit)")  # fmt: skip
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kdagen.serve.dispatch import check_fresh, load_table
 from kdagen.space import Space
@@ -66,26 +67,33 @@ def test_table_records_the_shipped_space_its_lookup_stays_in(folder: Path) -> No
 def test_the_h200_table_sends_commits_without_block_tables_to_the_lean_build_it_tuned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The run-time on the H200 with the shipped table: a commit without block tables takes
+    """``ModelCommit`` on the H200 with the shipped table: a commit without block tables takes
     the build without prefix caching where the table tuned its key (Kimi-K3 at int32 slots),
     the general build elsewhere (Kimi-Linear's gate, int64 slots) and with block tables."""
     from kdagen.serve import dispatch
-    from kdagen.serve.runtime import _dispatched
+    from kdagen.serve.model_commit import ModelCommit
+
+    def model(heads: int, lower_bound: float | None) -> ModelCommit:
+        return ModelCommit(
+            [torch.zeros(2, heads, 128, 128, dtype=torch.bfloat16)],
+            [torch.zeros(2, heads, 8, 128)], [torch.zeros(2, heads, 8, 256, dtype=torch.bfloat16)],
+            [torch.zeros(heads)], [torch.zeros(heads * 128)], lower_bound=lower_bound,
+            require_cuda=False,
+        )  # fmt: skip
 
     monkeypatch.setenv("KDAGEN_FINGERPRINT", "nvidia-h200-sm90-132sm")
     dispatch.reset()
     try:
         table = load_table(GENERATED / "nvidia-h200-sm90-132sm")
         assert table is not None
-        model = 4096  # layers x requests: Kimi-K3's 69 layers at B = 59
-        k3 = _dispatched("commit", 12, 8, "int32", model, None, "sm_90a")
-        assert not k3.prefix_caching
+        batch = 4096  # one layer here: the bucket of Kimi-K3's 69 layers at B = 59
+        k3 = model(12, -5.0)
+        lean = k3.variant_for(batch)
+        assert not lean.prefix_caching
         rows = {e.batch: e.variant for e in table.entries["commit-h12-q8-noprefix-i32"]}
-        assert k3.name == rows[model]
-        assert _dispatched("commit", 12, 8, "int32", model, None, "sm_90a",
-                           prefix_caching=True).prefix_caching  # fmt: skip
-        assert _dispatched("commit", 12, 8, "int64", 64, None, "sm_90a").prefix_caching
-        assert _dispatched("commit", 32, 8, "int32", model, None, "sm_90a",
-                           gate="softplus").prefix_caching  # fmt: skip
+        assert lean.name == rows[batch]
+        assert k3.variant_for(batch, block_tables=True).prefix_caching
+        assert k3.variant_for(64, torch.int64).prefix_caching
+        assert model(32, None).variant_for(batch).prefix_caching  # Kimi-Linear: not yet tuned
     finally:
         dispatch.reset()

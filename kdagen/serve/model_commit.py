@@ -240,15 +240,29 @@ class ModelCommit:
             values |= self._path_args(path, values)
         if values["batch"] == 0:
             return
-        # The conv history along a tree's path is the tree commit kernel's (rows by path);
-        # block tables need the build with prefix caching (without them: either build).
-        tree = path is not None and bool(self.conv_states)
-        prefix = {"prefix_caching": True} if values.get("block_size", 0) > 0 else {}
-        chosen = _resolve_variant(variant, "commit", self.heads, self.window,
-                                  "int32" if slots.dtype == torch.int32 else "int64",
-                                  self.layers * values["batch"], self.device,
-                                  gate=self.gate, tree=tree, **prefix)  # fmt: skip
+        chosen = self.variant_for(values["batch"], slots.dtype, path=path is not None,
+                                  block_tables=values.get("block_size", 0) > 0,
+                                  variant=variant)  # fmt: skip
         launch_commit(chosen, **values)
+
+    def variant_for(
+        self,
+        batch: int,
+        slot_dtype: torch.dtype = torch.int32,
+        *,
+        path: bool = False,
+        block_tables: bool = False,
+        variant: Variant | str | None = None,
+    ) -> Variant:
+        """The kernel a commit of ``batch`` requests launches (the dispatch table's choice at
+        layers x batch, else the built-in one; an explicit ``variant`` is checked instead):
+        block tables need the build with prefix caching, without them either build serves;
+        the conv history along a tree's ``path`` is the tree commit kernel's (rows by path)."""
+        prefix = {"prefix_caching": True} if block_tables else {}
+        return _resolve_variant(variant, "commit", self.heads, self.window,
+                                "int32" if slot_dtype == torch.int32 else "int64",
+                                self.layers * batch, self.device, gate=self.gate,
+                                tree=path and bool(self.conv_states), **prefix)  # fmt: skip
 
     def validate_step(
         self,

@@ -535,3 +535,15 @@ def test_time_variant_for_both_kernels() -> None:
     assert timing.sets >= 1 and timing.median_us > 0
     timing = kbench.time_variant(_runnable_verify(), 8)
     assert timing.sets >= 1 and timing.median_us > 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_model_bench_names_the_commit_kernel_it_timed() -> None:
+    from kdagen import bench_model
+
+    (row,) = bench_model.bench_model(12, 4, 2, [3], kbench.copy_bandwidth(), peers=False,
+                                     step=False)  # fmt: skip
+    chosen = Variant.parse(row.commit_variant)
+    assert (chosen.kernel, chosen.heads, chosen.window, chosen.tree) == ("commit", 12, 4, False)
+    assert row.commit_us > 0 and row.commit_floor_us > 0

@@ -129,15 +129,31 @@ def emit(
 
 
 def selected_keys(table: DispatchTable, keys: Sequence[str] | None, gate: str | None) -> list[str]:
-    """The contract keys to serve: ``keys``, else every tuned key (of ``gate`` when given)."""
+    """The contract keys to serve: ``keys`` (with the commit builds the run-time sends their
+    calls to), else every tuned key (of ``gate`` when given)."""
     if gate not in (None, "kda", "softplus"):
         raise EmitError(f"--gate {gate!r}: expected kda or softplus")
     if gate and keys:
         raise EmitError("--gate selects among the tuned keys; give it or --key, not both")
     if keys:
-        return list(keys)
+        return [*keys, *(k for k in _lean_commit_keys(table, keys) if k not in keys)]
     gates = {k: str(parse_contract_key(k).get("gate", "kda")) for k in table.entries}
     return [k for k in table.entries if gate in (None, gates[k])]
+
+
+def _lean_commit_keys(table: DispatchTable, keys: Sequence[str]) -> list[str]:
+    """The tuned builds without prefix caching of the general commit keys in ``keys``: the
+    run-time sends a commit without block tables there, so a package with the general key
+    needs them too."""
+    lean = []
+    for key in keys:
+        fields = parse_contract_key(key)
+        if fields.pop("kernel") == "commit" and fields.get("prefix_caching", True):
+            fields["prefix_caching"] = False
+            sibling = Variant(kernel="commit", **fields).contract_key
+            if sibling in table.entries:
+                lean.append(sibling)
+    return lean
 
 
 def _refuse_foreign(package: Path) -> None:

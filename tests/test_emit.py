@@ -28,6 +28,7 @@ from kdagen.serve.variant import VariantError
 
 TABLE = data_dir("generated") / "nvidia-h200-sm90-132sm"
 KEYS = ["verify-h12-q4-i32", "commit-h12-q4-i32"]
+SERVED = [*KEYS, "commit-h12-q4-noprefix-i32"]  # the general commit brings its lean build
 # What an engine that vendors the package must not need: kdagen and the tuning stack.
 BLOCKED = ("kdagen", "jinja2", "optuna", "typer", "yaml")
 BLOCKER = f"""
@@ -70,7 +71,7 @@ def test_the_package_is_kdagen_serve_as_it_is(package: Path) -> None:
 
 def test_the_package_serves_every_batch_from_its_own_kernels(package: Path) -> None:
     manifest = json.loads((package / "kernels" / "manifest.json").read_text())
-    assert manifest["keys"] == KEYS and manifest["arch"] == "sm_90a"
+    assert manifest["keys"] == SERVED and manifest["arch"] == "sm_90a"
     result = run_isolated(
         package,
         """
@@ -155,6 +156,23 @@ def test_gate_selects_one_models_keys() -> None:
         selected_keys(table, None, "relu")
     with pytest.raises(EmitError, match="give it or --key, not both"):
         selected_keys(table, ["verify-h12-q4-i32"], "kda")
+
+
+def test_a_general_commit_key_brings_its_build_without_prefix_caching() -> None:
+    """The run-time sends a commit without block tables to the build without prefix caching
+    where the table tuned it, so a package asked for the general key must hold that build
+    too (one emitted without it failed every such commit on the H200)."""
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    table = load_table(TABLE)
+    assert table is not None and "commit-h12-q4-noprefix-i32" in table.entries
+    assert selected_keys(table, KEYS, None) == SERVED
+    assert selected_keys(table, ["commit-h16-q4-softplus-i32"], None) == [
+        "commit-h16-q4-softplus-i32", "commit-h16-q4-softplus-noprefix-i32"]  # fmt: skip
+    int64 = ["commit-h12-q4-i64"]  # int64 slots: the general build alone
+    assert selected_keys(table, int64, None) == int64
+    both = ["commit-h12-q4-noprefix-i32", "commit-h12-q4-i32"]
+    assert selected_keys(table, both, None) == both
 
 
 def test_emit_names_a_malformed_key(tmp_path: Path) -> None:

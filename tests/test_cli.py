@@ -28,12 +28,13 @@ def test_help_lists_the_pipeline() -> None:
 def test_variants_prints_count_constraints_and_names() -> None:
     result = runner.invoke(app, ["variants", "--space", "commit.yaml"])
     assert result.exit_code == 0, result.output
-    assert "space commit (commit): 748 variants from 2304 points" in result.output
+    assert "space commit (commit): 924 variants from 2304 points" in result.output
     assert "removed  960: the models' head counts per GPU" in result.output
-    assert "removed  484: the build without prefix caching" in result.output
+    assert "removed  308: the build without prefix caching" in result.output
     assert "removed  112: at most 16 update chunks per thread" in result.output
     assert "commit-h12-q8-i32-bulk-t128-v8-r1-pdl" in result.output
     assert "commit-h12-q8-noprefix-i32-bulk-t128-v8-r1-pdl" in result.output
+    assert "commit-h32-q8-softplus-noprefix-i32-bulk-t128-v8-r1-pdl" in result.output
     assert "commit-h12-q8-noprefix-i64-bulk-t128-v8-r1-pdl" not in result.output
 
 
@@ -131,6 +132,14 @@ def test_gpu_commands_refuse_clearly_without_a_gpu(command: str) -> None:
     result = runner.invoke(app, [command])
     assert result.exit_code == 2
     assert "needs a CUDA GPU" in result.output
+
+
+def test_the_model_bench_takes_one_models_gate() -> None:
+    """``--layers`` times one model: its gate is kda or softplus, not both (refused before
+    the GPU is looked for, so the message is the same on any machine)."""
+    result = runner.invoke(app, ["bench", "--layers", "20", "--gate", "both"])
+    assert result.exit_code == 2
+    assert "--gate 'both' with --layers: expected kda or softplus" in _flat(result.output)
 
 
 def test_check_refuses_sm100_variants_on_another_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -94,6 +94,7 @@ def test_the_h200_table_sends_commits_without_block_tables_to_the_lean_build_it_
         assert lean.name == rows[batch]
         assert k3.variant_for(batch, block_tables=True).prefix_caching
         assert k3.variant_for(64, torch.int64).prefix_caching
-        assert model(32, None).variant_for(batch).prefix_caching  # Kimi-Linear: not yet tuned
+        kimi_linear = model(32, None).variant_for(batch)  # the softplus gate's lean key, tuned
+        assert not kimi_linear.prefix_caching and kimi_linear.gate == "softplus"
     finally:
         dispatch.reset()

@@ -19,13 +19,13 @@ def test_shipped_commit_space_expands_with_its_constraint() -> None:
     expansion = Space.load("commit.yaml").expand()
     # 6 head counts x 4 windows x 2 slot dtypes x 2 gates x 2 builds x 12 tuning points; each
     # gate keeps its model's head counts (3 of 6 for kda, 4 for softplus), 11 of 12 tuning
-    # points fit, and the build without prefix caching ships for kda at int32 slots only.
+    # points fit, and the build without prefix caching ships at int32 slots only.
     assert expansion.points == 2304
-    kept = (3 + 4) * 4 * 2 * 11 + 3 * 4 * 11
+    kept = (3 + 4) * 4 * 2 * 11 + (3 + 4) * 4 * 11
     assert len(expansion.variants) == kept
     assert sum(expansion.removed.values()) == 2304 - kept
     lean = {(v.gate, v.slot_dtype) for v in expansion.variants if not v.prefix_caching}
-    assert lean == {("kda", "int32")}
+    assert lean == {("kda", "int32"), ("softplus", "int32")}
     by_gate = {g: {v.heads for v in expansion.variants if v.gate == g} for g in ("kda", "softplus")}
     assert by_gate == {"kda": {12, 32, 96}, "softplus": {4, 8, 16, 32}}
     assert all(v.kernel == "commit" for v in expansion.variants)

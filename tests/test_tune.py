@@ -489,8 +489,8 @@ def test_a_template_edit_measures_again_only_the_studies_it_changes(
                            krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
     space = table.space["commit"]  # the whole space the lookup stays in, not only what ran
     assert {v.name for v in candidates()} == set(space[KEY])
-    # every contract key: both gates' heads, and the build without prefix caching (kda, int32)
-    assert len(space) == (3 + 4) * 4 * 2 + 3 * 4
+    # every contract key: both gates' heads, and the build without prefix caching (int32)
+    assert len(space) == (3 + 4) * 4 * 2 + (3 + 4) * 4
 
 
 def test_a_refactor_that_compiles_to_the_same_code_keeps_its_studies(

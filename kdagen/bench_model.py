@@ -4,7 +4,8 @@ The method of ``kdagen.bench`` (cold L2 by rotating input sets inside one CUDA g
 of 20 replays) on the shapes of a whole model: L KDA layers laid out as vLLM lays them (per
 layer a conv state, a padded-stride state pool, correction and key/gate caches indexed by
 state block), every request a full window, accepted counts random in 1..Q, slots a random
-permutation of 1..B. kdagen runs through its vLLM drop-ins (``KDARecoverSSMCommitContext``,
+permutation of 1..B, Kimi-K3's bounded gate (lower bound -5) or Kimi-Linear's softplus gate
+(``lower_bound=None``). kdagen runs through its vLLM drop-ins (``KDARecoverSSMCommitContext``,
 which also compacts the conv state, and ``kda_recoverssm_verify``) and through
 ``ModelCommit`` without the conv (what a fused-conv verify needs); vLLM's own Triton commit
 and verify are the peers when ``.peers`` holds them. The floor counts the bytes each commit
@@ -41,7 +42,7 @@ class ModelSet:
 
 
 def model_set(heads: int, window: int, layers: int, batch: int, seed: int,
-              with_activations: bool) -> ModelSet:  # fmt: skip
+              with_activations: bool, lower_bound: float | None = -5.0) -> ModelSet:  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = "cuda"
 
@@ -59,7 +60,7 @@ def model_set(heads: int, window: int, layers: int, batch: int, seed: int,
         )
         out.append(SimpleNamespace(
             kv_cache=(randn(blocks, window + 2, conv_dim), state), recoverssm_records=records,
-            gate_lower_bound=-5.0, local_num_heads=heads, head_dim=K,
+            gate_lower_bound=lower_bound, local_num_heads=heads, head_dim=K,
             A_log=torch.rand(heads, generator=gen, device=dev) * 2 - 1,
             dt_bias=randn(heads * K, std=0.5, dtype=torch.float32),
         ))  # fmt: skip
@@ -93,7 +94,7 @@ def model_commit(s: ModelSet, conv: bool) -> Any:
     return ModelCommit(
         [layer.kv_cache[1] for layer in s.layers], [r.correction for r in records],
         [r.key_gate for r in records], [layer.A_log for layer in s.layers],
-        [layer.dt_bias for layer in s.layers],
+        [layer.dt_bias for layer in s.layers], lower_bound=s.layers[0].gate_lower_bound,
         conv_states=[layer.kv_cache[0] for layer in s.layers] if conv else None,
     )  # fmt: skip
 
@@ -111,6 +112,7 @@ class ModelBenchRow:
     heads: int
     window: int
     layers: int
+    gate: str  # kda (lower bound -5) or softplus
     batch: int
     sets: int
     commit_variant: str  # the kernel the run-time launched for it (layers x batch)
@@ -131,7 +133,7 @@ def _verifies(s: ModelSet, verify: Any) -> list:
     launches = []
     for layer, act in zip(s.layers, s.activations, strict=True):
         out = torch.empty_like(act[2])
-        args = (*act, layer.A_log, layer.dt_bias, -5.0, layer.kv_cache[1],
+        args = (*act, layer.A_log, layer.dt_bias, layer.gate_lower_bound, layer.kv_cache[1],
                 layer.recoverssm_records, s.step["query_start_loc"], s.step["state_indices"],
                 window, out)  # fmt: skip
         launches.append(partial(verify, *args))
@@ -140,7 +142,7 @@ def _verifies(s: ModelSet, verify: Any) -> list:
 
 def _kdagen_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-                   lower_bound: float, state: torch.Tensor, records: Any,
+                   lower_bound: float | None, state: torch.Tensor, records: Any,
                    query_start: torch.Tensor, slots: torch.Tensor, window: int,
                    out: torch.Tensor) -> None:  # fmt: skip
     """kdagen's verify with vLLM 0.33's signature (records by request row)."""
@@ -157,18 +159,21 @@ def _timed(launches: list, per: int) -> float:
 
 
 def bench_model(heads: int, window: int, layers: int, batches: list[int], bandwidth: float,
-                peers: bool = True, step: bool = True, seed: int = 0) -> list[ModelBenchRow]:  # fmt: skip
-    """The all-layer commit (and, with ``step``, the decode step) at every batch size."""
+                peers: bool = True, step: bool = True, seed: int = 0,
+                lower_bound: float | None = -5.0) -> list[ModelBenchRow]:  # fmt: skip
+    """The all-layer commit (and, with ``step``, the decode step) at every batch size, with
+    the bounded gate at ``lower_bound`` or the softplus gate (None)."""
     from kdagen.peers import vllm_commit, vllm_verify
 
     peer_commit = vllm_commit().fn if peers else None
     peer_verify = vllm_verify().fn if peers and step else None
     rows = []
     for batch in batches:
-        probe = model_set(heads, window, layers, batch, seed, with_activations=False)
+        probe = model_set(heads, window, layers, batch, seed, False, lower_bound)
         count = sets_for(commit_bytes(probe, conv=True))
         del probe
-        sets = [model_set(heads, window, layers, batch, seed + i, step) for i in range(count)]
+        sets = [model_set(heads, window, layers, batch, seed + i, step, lower_bound)
+                for i in range(count)]  # fmt: skip
         floor = commit_bytes(sets[0], True) / bandwidth * 1e6
         rows.append(_bench_batch(sets, window, batch, peer_commit, peer_verify, step, floor,
                                  commit_bytes(sets[0], False) / bandwidth * 1e6,
@@ -212,7 +217,7 @@ def _bench_batch(sets: list[ModelSet], window: int, batch: int, peer_commit: Any
             vllm_step = _timed(launches, len(sets))
     heads, layers = sets[0].layers[0].local_num_heads, len(sets[0].layers)
     return ModelBenchRow(
-        heads, window, layers, batch, len(sets), ran.name, round(mine.median_us, 3),
+        heads, window, layers, ran.gate, batch, len(sets), ran.name, round(mine.median_us, 3),
         round(mine.spread_pct, 1), round(floor, 3), round(no_conv, 3), round(floor_no_conv, 3),
         None if theirs is None else round(time_graph(theirs).median_us, 3),
         None if step_us is None else round(step_us, 3),

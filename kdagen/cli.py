@@ -25,6 +25,8 @@ app = typer.Typer(
 )
 
 SPACE_HELP = "search-space YAML (a path, or a name in search_spaces/); default: every shipped space"
+# `bench --layers`: the lower bound of each model's gate (None: Kimi-Linear's softplus gate).
+MODEL_GATES: dict[str, float | None] = {"kda": -5.0, "softplus": None}
 MATCH_HELP = "only variants whose name contains this (or one of a,b,...)"
 
 
@@ -259,7 +261,8 @@ def bench(
     gate: str = typer.Option(
         "kda",
         help="kda (Kimi-K3's bounded gate), softplus (Kimi-Linear's), or both: each softplus "
-        "variant and its bounded twin (the same tuning), timed side by side on the same inputs",
+        "variant and its bounded twin (the same tuning), timed side by side on the same inputs "
+        "(with --layers: the model's gate, kda or softplus)",
     ),
     tree: str = typer.Option(
         "no",
@@ -288,13 +291,16 @@ def bench(
     """Time verify or commit variants of one contract key over a batch sweep (cold L2, CUDA
     graphs, the method of docs/anchors.md) against the HBM floor and the peers; with
     --layers, a whole model's commit and decode step."""
+    if layers < 1:
+        raise typer.BadParameter(f"--layers {layers}: must be at least 1")
+    if layers > 1 and gate not in MODEL_GATES:
+        raise typer.BadParameter(f"--gate {gate!r} with --layers: expected kda or softplus "
+                                 "(one model's gate)")  # fmt: skip
     _require_gpu()
     from kdagen import bench as kbench
 
-    if layers < 1:
-        raise typer.BadParameter(f"--layers {layers}: must be at least 1")
     if layers > 1:
-        _bench_model(kernel, heads, window, layers, batches, peers, step, seed, out)
+        _bench_model(kernel, heads, window, layers, batches, gate, peers, step, seed, out)
         return
     chosen_kernel = _bench_kernel(kernel, space)
     if gate not in ("kda", "softplus", "both"):
@@ -344,7 +350,7 @@ def bench(
 
 
 def _bench_model(kernel: str | None, heads: int, window: int, layers: int, batches: str,
-                 peers: bool, step: bool, seed: int, out: Path | None) -> None:  # fmt: skip
+                 gate: str, peers: bool, step: bool, seed: int, out: Path | None) -> None:  # fmt: skip
     """`bench --layers L`: the all-layer commit and the decode step (kdagen.bench_model)."""
     from kdagen import bench as kbench
     from kdagen import bench_model
@@ -353,10 +359,11 @@ def _bench_model(kernel: str | None, heads: int, window: int, layers: int, batch
         raise typer.BadParameter("--layers applies to the commit (one launch for every layer)")
     sizes = [int(b) for b in batches.split(",")]
     bw = kbench.copy_bandwidth()
-    typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {layers} layers, H {heads}, Q {window}")
+    typer.echo(f"copy bandwidth {bw / 1e12:.3f} TB/s; {layers} layers, H {heads}, Q {window}, "
+               f"gate {gate}")  # fmt: skip
     rows = bench_model.bench_model(heads, window, layers, sizes, bw, peers=peers, step=step,
-                                   seed=seed)  # fmt: skip
-    key = f"model-l{layers}-h{heads}-q{window}"
+                                   seed=seed, lower_bound=MODEL_GATES[gate])  # fmt: skip
+    key = f"model-l{layers}-h{heads}-q{window}" + ("-softplus" if gate == "softplus" else "")
     path = out or Path("out") / "bench" / f"{key}.json"
     header = _bench_header("commit", key, "sm_90a", bw, "vLLM's Triton commit and verify "
                            "(.peers)" if peers else "none (--no-peers)")  # fmt: skip

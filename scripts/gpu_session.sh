@@ -6,7 +6,8 @@
 # bench, bench_commit, tune (the shipped workloads, resuming from generated/ into OUTDIR/gen,
 # then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/; what the
 # check steps passed before it is not checked again),
-# bench_model (the all-layer commit and decode step of a 69-layer model), bench_gate (the
+# bench_model (the all-layer commit and decode step of a 69-layer model; bench_model_softplus:
+# Kimi-Linear's 20 layers at TP 1, H 32, with its softplus gate), bench_gate (the
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
 # bench_tree (the Hopper tree verify: every variant's check; H12 Q8 tree variants beside
 # their chain twins, FlashInfer's chain as the peer), check_tree_conv and bench_tree_conv (the
@@ -122,6 +123,9 @@ if has tune; then
 fi
 if has bench_model; then
   TAIL=8 step bench_model kdagen bench --layers 69 --heads 12 --window 8 --batches 1,16,64,256 --out "$out/bench_model_l69_h12_q8.json"
+fi
+if has bench_model_softplus; then
+  TAIL=8 step bench_model_softplus kdagen bench --layers 20 --heads 32 --window 8 --gate softplus --batches 1,16,64,256 --out "$out/bench_model_l20_h32_q8_softplus.json"
 fi
 # The device machine returns at most 8 files from OUTDIR: the summary, gen.tgz, and every other
 # log and JSON in one logs-<time>.tgz per call of this script.

@@ -10,7 +10,7 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
 
     python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
                                          [--batches 1,16,64,256] [--top 4] [--match S]
-                                         [--bound no-fold]
+                                         [--no-prefix-caching] [--bound no-fold]
 """
 
 from __future__ import annotations
@@ -43,13 +43,17 @@ def render_with(options: krender.RenderOptions) -> None:
     krender.render = kcompile.render = lambda v: product(v, options)
 
 
-def time_copy(nbytes: int, count: int) -> bench.Timing:
+def time_copy(nbytes: int, count: int, on_sms: bool) -> bench.Timing:
     """One device-to-device copy moving ``nbytes`` (half read, half written), timed as the
     variants are (``count`` buffer pairs rotated in one graph): the time the commit's bytes
-    take to stream at this size, launch, ramp and tail included."""
-    half = nbytes // 2
-    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(),
-              torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(count)]  # fmt: skip
+    take to stream at this size, launch, ramp and tail included. ``copy_`` is captured as a
+    graph memcpy node; ``on_sms`` streams the bytes through an elementwise kernel instead
+    (16-byte accesses, every SM), the copy a kernel could do."""
+    words = nbytes // 8
+    pairs = [(torch.empty(words, dtype=torch.int32, device="cuda").random_(),
+              torch.empty(words, dtype=torch.int32, device="cuda")) for _ in range(count)]  # fmt: skip
+    if on_sms:
+        return bench.time_graph([partial(torch.bitwise_not, src, out=dst) for src, dst in pairs])
     return bench.time_graph([partial(dst.copy_, src) for src, dst in pairs])
 
 
@@ -60,7 +64,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--top", type=int, default=4, help="rows printed per batch")
-    parser.add_argument("--match", default="", help="only variants whose name contains this")
+    parser.add_argument("--match", default="",
+                        help="only variants whose name contains this (or one of a,b,...)")  # fmt: skip
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="sweep the key's build without prefix caching")  # fmt: skip
     parser.add_argument("--bound", choices=["no-fold"], help="build every variant as this "
                         "measurement bound (its outputs are wrong)")  # fmt: skip
     args = parser.parse_args()
@@ -68,9 +75,10 @@ def main() -> None:
         render_with(krender.RenderOptions(bound=args.bound))
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    key = f"commit-h{args.heads}-q{args.window}-i32"
+    build = "-noprefix" if args.no_prefix_caching else ""
+    key = f"commit-h{args.heads}-q{args.window}{build}-i32"
     candidates = [v for v in Space.load("commit.yaml").expand().variants
-                  if v.contract_key == key and args.match in v.name]  # fmt: skip
+                  if v.contract_key == key and any(m in v.name for m in args.match.split(","))]  # fmt: skip
     peer = vllm_commit().fn
     for batch in (int(b) for b in args.batches.split(",")):
         probe = bench_model.model_set(args.heads, args.window, args.layers, batch, 0, False)
@@ -92,9 +100,11 @@ def main() -> None:
             peer_us = bench.time_graph([partial(c.commit, **s.step)
                                         for c, s in zip(contexts, sets, strict=True)]).median_us  # fmt: skip
         peer_text = "-" if peer_us is None else f"{peer_us:.2f}"
-        copy = time_copy(bench_model.commit_bytes(sets[0], True), count).median_us
+        nbytes = bench_model.commit_bytes(sets[0], True)
+        copy, sm_copy = (time_copy(nbytes, count, on_sms).median_us for on_sms in (False, True))
         print(f"B={batch} sets={count} floor={floor:.2f} (no conv {floor_plain:.2f}) "
-              f"copy of its bytes={copy:.2f} vllm={peer_text}")  # fmt: skip
+              f"copy of its bytes: memcpy node {copy:.2f}, on the SMs {sm_copy:.2f}; "
+              f"vllm={peer_text}")  # fmt: skip
         for t, name in rows[: args.top]:
             print(f"   {t.median_us:9.2f} us  {100 * floor / t.median_us:5.1f}% floor  "
                   f"spread {t.spread_pct:.1f}%  {name}")  # fmt: skip

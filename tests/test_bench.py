@@ -539,11 +539,17 @@ def test_time_variant_for_both_kernels() -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-def test_the_model_bench_names_the_commit_kernel_it_timed() -> None:
+@pytest.mark.parametrize(
+    ("heads", "lower_bound", "gate"), [(12, -5.0, "kda"), (16, None, "softplus")]
+)
+def test_the_model_bench_names_the_commit_kernel_it_timed(
+    heads: int, lower_bound: float | None, gate: str
+) -> None:
     from kdagen import bench_model
 
-    (row,) = bench_model.bench_model(12, 4, 2, [3], kbench.copy_bandwidth(), peers=False,
-                                     step=False)  # fmt: skip
+    (row,) = bench_model.bench_model(heads, 4, 2, [3], kbench.copy_bandwidth(), peers=False,
+                                     step=True, lower_bound=lower_bound)  # fmt: skip
     chosen = Variant.parse(row.commit_variant)
-    assert (chosen.kernel, chosen.heads, chosen.window, chosen.tree) == ("commit", 12, 4, False)
-    assert row.commit_us > 0 and row.commit_floor_us > 0
+    assert (chosen.kernel, chosen.heads, chosen.window, chosen.tree) == ("commit", heads, 4, False)
+    assert chosen.gate == row.gate == gate
+    assert row.commit_us > 0 and row.commit_floor_us > 0 and row.step_us > row.commit_us

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kdagen import __version__, first_use
-from kdagen.serve.variant import Variant, parse_contract_key
+from kdagen.serve.variant import Variant, lean_commit_key, parse_contract_key
 
 if TYPE_CHECKING:
     from kdagen.serve.dispatch import DispatchTable
@@ -149,8 +149,7 @@ def _lean_commit_keys(table: DispatchTable, keys: Sequence[str]) -> list[str]:
     for key in keys:
         fields = parse_contract_key(key)
         if fields.pop("kernel") == "commit" and fields.get("prefix_caching", True):
-            fields["prefix_caching"] = False
-            sibling = Variant(kernel="commit", **fields).contract_key
+            sibling = lean_commit_key(fields)
             if sibling in table.entries:
                 lean.append(sibling)
     return lean

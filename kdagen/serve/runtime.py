@@ -19,7 +19,7 @@ import torch
 from . import kernel_source
 from .contract import CommitArgs, VerifyArgs, check_commit, check_verify
 from .validate import KdaInputError, check_tensor
-from .variant import Variant
+from .variant import Variant, lean_commit_key
 
 
 def device_arch(device: torch.device | None = None) -> str:
@@ -240,8 +240,8 @@ def heuristic_variant(
 
 @functools.cache
 def _lean_commit_key(contract: tuple[tuple[str, Any], ...]) -> str:
-    """The contract key of the commit build without prefix caching for ``contract``."""
-    return Variant(kernel="commit", prefix_caching=False, **dict(contract)).contract_key
+    """``lean_commit_key``, cached: every commit launch asks it."""
+    return lean_commit_key(dict(contract))
 
 
 def _resolve_variant(

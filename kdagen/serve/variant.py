@@ -8,6 +8,7 @@ its ``digest`` (see ``kdagen.render``) covers the rendered source and the DSL ve
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -248,6 +249,12 @@ class Variant:
         if unknown:
             raise VariantError(f"unknown variant field(s) {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+
+def lean_commit_key(contract: Mapping[str, Any]) -> str:
+    """The contract key of the commit build without prefix caching for a commit's contract
+    fields: where the run-time sends a commit without block tables once the table tuned it."""
+    return Variant(kernel="commit", **{**contract, "prefix_caching": False}).contract_key
 
 
 def parse_contract_key(key: str) -> dict[str, Any]:

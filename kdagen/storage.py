@@ -21,6 +21,7 @@ import filecmp
 import lzma
 import random
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,17 @@ def _line(err: BaseException | None) -> str:
 def folder_url(folder: Path) -> str:
     """The SQLite URL of a tuned folder's own database, first unpacked from ``studies.db.xz``
     when that is the newer file and holds other data (a fresh checkout, a pulled re-tune); a
-    working copy written since (a killed run to resume) is left as it is."""
+    working copy written since (a killed run to resume) is left as it is. Processes that
+    unpack at once (``kdagen check`` shards resuming from a folder) each write their own copy and
+    rename it into place."""
     db, packed = folder / FOLDER_DB, folder / PACKED_DB
     if packed.exists() and (not db.exists() or packed.stat().st_mtime > db.stat().st_mtime):
-        unpacked = folder / (FOLDER_DB + ".unpacked")
-        with lzma.open(packed) as src, open(unpacked, "wb") as dst:
+        with (
+            lzma.open(packed) as src,
+            tempfile.NamedTemporaryFile(dir=folder, prefix=FOLDER_DB, delete=False) as dst,
+        ):
             shutil.copyfileobj(src, dst)
+        unpacked = Path(dst.name)
         if db.exists() and filecmp.cmp(unpacked, db, shallow=False):
             unpacked.unlink()
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import optuna
@@ -674,6 +675,21 @@ def test_a_working_database_newer_than_the_packed_copy_is_kept(tmp_path: Path) -
     folder_url(tmp_path)
     assert db.read_bytes() == b"packed run"
     assert sorted(p.name for p in tmp_path.iterdir()) == [FOLDER_DB, PACKED_DB]
+
+
+def test_unpacking_at_once_from_many_threads_leaves_one_database(tmp_path: Path) -> None:
+    """``kdagen check`` shards resuming from one folder unpack its packed copy at the same
+    time: each gets the database, and nothing else is left in the folder."""
+    db = tmp_path / FOLDER_DB
+    db.write_bytes(bytes(range(256)) * 4096)  # 1 MiB: long enough for the unpacks to overlap
+    pack_folder(tmp_path)
+    for _ in range(3):
+        db.unlink()
+        with ThreadPoolExecutor(8) as pool:
+            urls = list(pool.map(lambda _: folder_url(tmp_path), range(8)))
+        assert urls == [f"sqlite:///{db}"] * 8
+        assert db.read_bytes() == bytes(range(256)) * 4096
+        assert sorted(p.name for p in tmp_path.iterdir()) == [FOLDER_DB, PACKED_DB]
 
 
 def test_a_check_resumes_from_the_variants_a_fresh_tune_checked(

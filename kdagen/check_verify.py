@@ -91,6 +91,10 @@ WIDE_KDA_CASES = (VerifyCase("saturated", 24, gate_logits=(1.0, 30.0), deepest=T
 # Windows past 8 with the softplus gate: log decays that cross from the near band of the
 # couplings into the far one inside the window (G = -128 on about a fifth of the channels).
 WIDE_SOFTPLUS_CASES = (VerifyCase("band-edge", 24, gate_logits=(8.0, 8.0)),)
+# Softplus chains up to 8 tokens: heads whose channel quarters fall on both sides of the bounded
+# gate's range (G_(Q-1) = -MAX_LOG_DECAY), so quarters that couple on the state's probes run
+# beside quarters that take the rebased tile, in one CTA.
+MIXED_SOFTPLUS_CASES = (VerifyCase("bounded-edge", 24, gate_logits=(8.0, 4.0)),)
 MANY_UNITS = 3600
 
 
@@ -102,7 +106,14 @@ def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
         + (TREE_CASES if variant.tree else ())
         + (WIDE_KDA_CASES if variant.window > 8 and variant.gate == "kda" else ())
         + (WIDE_SOFTPLUS_CASES if variant.window > 8 and variant.gate == "softplus" else ())
+        + (MIXED_SOFTPLUS_CASES if mid_coupling(variant) else ())
     )
+
+
+def mid_coupling(variant: Variant) -> bool:
+    """A softplus chain of up to 8 tokens: coupled on the state's probes or on a tile rebased
+    to its middle token, per channel quarter (``kdagen.render``'s ``mid_coupling``)."""
+    return variant.gate == "softplus" and variant.window <= 8 and not variant.tree
 
 
 @dataclass

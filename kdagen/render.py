@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -13,6 +14,7 @@ from pathlib import Path
 import jinja2
 
 from kdagen.serve.abi import params
+from kdagen.serve.contract import MAX_LOG_DECAY
 from kdagen.serve.fingerprint import dsl_version
 from kdagen.serve.resources import data_dir
 from kdagen.serve.variant import Variant
@@ -122,6 +124,11 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["beta_slots"] = max(8, variant.window)
         context["couple"] = wide or variant.gate == "softplus"
         context["shifted"] = wide or (variant.tree and variant.gate == "softplus")
+        # The softplus chain up to 8 tokens: its coupling factors relative to the window's middle
+        # token only in warps whose window leaves the bounded gate's range (MAX_LOG_DECAY).
+        context["mid_coupling"] = context["couple"] and not context["shifted"]
+        context["max_log_decay"] = f"{MAX_LOG_DECAY:g}"
+        context["bounded_decay"] = repr(math.exp(-MAX_LOG_DECAY))
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"
         # Hopper conv trees of 5 to 8 tokens load their lags from shared memory (a row of the
         # projections' buffer holds the 6 (Q + 3) bytes), kdagen/dsl/tree_conv_staged.py;

@@ -19,6 +19,7 @@ import torch
 
 from kdagen import first_use, reference
 from kdagen.emulate import relative_errors
+from kdagen.render import rebase_on_demand
 from kdagen.serve.contract import max_log_decay
 from kdagen.serve.variant import Variant
 from kdagen.testing import (
@@ -91,10 +92,13 @@ WIDE_KDA_CASES = (VerifyCase("saturated", 24, gate_logits=(1.0, 30.0), deepest=T
 # Windows past 8 with the softplus gate: log decays that cross from the near band of the
 # couplings into the far one inside the window (G = -128 on about a fifth of the channels).
 WIDE_SOFTPLUS_CASES = (VerifyCase("band-edge", 24, gate_logits=(8.0, 8.0)),)
-# Softplus chains up to 8 tokens: heads whose channel quarters fall on both sides of the bounded
-# gate's range (G_(Q-1) = -MAX_LOG_DECAY), so quarters that couple on the state's probes run
-# beside quarters that take the rebased tile, in one CTA.
-MIXED_SOFTPLUS_CASES = (VerifyCase("bounded-edge", 24, gate_logits=(8.0, 4.0)),)
+# Kernels that rebase their couplings only where a window needs it (kdagen.render's
+# rebase_on_demand): heads whose channel quarters fall on both sides of the bounded range of 8
+# tokens (G = -MAX_LOG_DECAY), so quarters that couple on the state's probes run beside quarters
+# that take the rebased tile, in one CTA. Softplus chains of up to 8 tokens; the bounded gate
+# past 8 at the deepest lower_bound, its gates spread from 12 % to 88 % of it.
+EDGE_SOFTPLUS_CASES = (VerifyCase("bounded-edge", 24, gate_logits=(8.0, 4.0)),)
+EDGE_WIDE_KDA_CASES = (VerifyCase("bounded-edge", 24, gate_logits=(2.0, 0.0), deepest=True),)
 MANY_UNITS = 3600
 
 
@@ -106,14 +110,12 @@ def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
         + (TREE_CASES if variant.tree else ())
         + (WIDE_KDA_CASES if variant.window > 8 and variant.gate == "kda" else ())
         + (WIDE_SOFTPLUS_CASES if variant.window > 8 and variant.gate == "softplus" else ())
-        + (MIXED_SOFTPLUS_CASES if mid_coupling(variant) else ())
+        + (_edge_cases(variant) if rebase_on_demand(variant) else ())
     )
 
 
-def mid_coupling(variant: Variant) -> bool:
-    """A softplus chain of up to 8 tokens: coupled on the state's probes or on a tile rebased
-    to its middle token, per channel quarter (``kdagen.render``'s ``mid_coupling``)."""
-    return variant.gate == "softplus" and variant.window <= 8 and not variant.tree
+def _edge_cases(variant: Variant) -> tuple[VerifyCase, ...]:
+    return EDGE_SOFTPLUS_CASES if variant.gate == "softplus" else EDGE_WIDE_KDA_CASES
 
 
 @dataclass

@@ -94,6 +94,25 @@ class RenderOptions:
             raise ValueError(f"bound {self.bound!r} needs {needs}, not {variant.name}")
 
 
+# The Hopper verify past 8 tokens with the bounded gate writes its second coupling tile only in
+# warps whose windows reach below exp(-MAX_LOG_DECAY) (as the softplus chains of 8 tokens do):
+# off until `kdagen check` has run the renders it changes on a GPU (written when no device time
+# was left to check it); tests/test_compile.py compiles it.
+WIDE_ON_DEMAND_COUPLING = False
+
+
+def rebase_on_demand(variant: Variant) -> bool:
+    """Whether the Hopper verify ``variant`` writes its second coupling tile only in warps whose
+    windows leave the range of the bounded gate's 8 tokens: softplus chains of up to 8 tokens
+    (factors relative to the middle token) and, switched on, the bounded gate past 8 tokens
+    (relative to -NEAR_SHIFT)."""
+    if variant.kernel != "verify" or variant.path != "sm90_wgmma":
+        return False
+    if variant.window > 8:
+        return WIDE_ON_DEMAND_COUPLING and variant.gate == "kda"
+    return variant.gate == "softplus" and not variant.tree
+
+
 def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     """Values the templates read besides the variant itself, derived once here."""
     context: dict[str, object] = {
@@ -124,9 +143,11 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["beta_slots"] = max(8, variant.window)
         context["couple"] = wide or variant.gate == "softplus"
         context["shifted"] = wide or (variant.tree and variant.gate == "softplus")
-        # The softplus chain up to 8 tokens: its coupling factors relative to the window's middle
-        # token only in warps whose window leaves the bounded gate's range (MAX_LOG_DECAY).
-        context["mid_coupling"] = context["couple"] and not context["shifted"]
+        # The second coupling tile only in warps whose windows leave the range of the bounded
+        # gate's 8 tokens (MAX_LOG_DECAY): softplus chains up to 8 tokens (factors relative to
+        # the middle token), and with WIDE_ON_DEMAND_COUPLING the bounded gate past 8 tokens
+        # (relative to -NEAR_SHIFT).
+        context["rebase_on_demand"] = rebase_on_demand(variant)
         context["max_log_decay"] = f"{MAX_LOG_DECAY:g}"
         context["bounded_decay"] = repr(math.exp(-MAX_LOG_DECAY))
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"

@@ -262,3 +262,55 @@ def test_the_conv_trees_without_selects_compile(
     record = kcompile.compile_variant(variant, "sm_90a", cache)
     assert record.ok, record.error
     assert record.registers <= registers and record.frame_bytes <= frame
+
+
+@pytest.fixture
+def wide_on_demand(monkeypatch: pytest.MonkeyPatch):
+    """``render.WIDE_ON_DEMAND_COUPLING`` switched on for one test (renders cached both sides)."""
+    monkeypatch.setattr(krender, "WIDE_ON_DEMAND_COUPLING", True)
+    krender.render.cache_clear()
+    yield
+    krender.render.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+        "verify-h12-q12-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+    ],
+)
+def test_the_bounded_gate_past_8_rebases_on_demand_and_compiles(
+    name: str, tmp_path: Path, wide_on_demand
+) -> None:
+    """Switched on (until a GPU has checked it), the bounded gate past 8 tokens writes its
+    second coupling tile only in a warp whose windows leave the range of 8 tokens: one vote,
+    the tile's stores behind it, and the kernel within the wide verify's stack bound. The
+    softplus gate past 8 keeps its two bands."""
+    variant = Variant.parse(name)
+    source = krender.render(variant)
+    assert "rebased = cute.arch.vote_any_sync(" in source and "if rebased:" in source
+    assert ("deepest = cutlass.min(deepest, nears[t])" in source) == variant.tree
+    banded = krender.render(variant.replace(gate="softplus"))
+    assert "vote_any_sync(far_bits" in banded and "if rebased:" not in banded
+    record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
+    assert record.ok, record.error
+    assert record.frame_bytes <= WIDE_FRAME_BYTES
+
+
+def test_only_the_switched_on_kernels_get_the_bounded_edge_case(monkeypatch) -> None:
+    """The check's `bounded-edge` case (quarters of both kinds in one CTA) goes to every kernel
+    that rebases on demand: softplus chains of up to 8 tokens, and past 8 the bounded gate once
+    switched on; never to trees of up to 8 tokens or the softplus gate past 8."""
+    from kdagen.check_verify import cases_for
+
+    def edge(name: str) -> bool:
+        return "bounded-edge" in {c.name for c in cases_for(Variant.parse(name))}
+
+    chain8 = "verify-h16-q8-softplus-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
+    tree8 = "verify-h16-q8-softplus-tree-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
+    wide = "verify-h12-q16-i32-sm90_wgmma-t128-r1-c264-s1-pdl"
+    wide_softplus = "verify-h16-q16-softplus-i32-sm90_wgmma-t128-r1-c264-s1-pdl"
+    assert edge(chain8) and not edge(tree8) and not edge(wide) and not edge(wide_softplus)
+    monkeypatch.setattr(krender, "WIDE_ON_DEMAND_COUPLING", True)
+    assert edge(wide) and not edge(wide_softplus)

@@ -101,6 +101,15 @@ class RenderOptions:
 WIDE_ON_DEMAND_COUPLING = False
 
 
+# The one-warpgroup softplus chains of up to 8 tokens without a second coupling tile: a warp that
+# needs the rebased probes writes them into the state's probe tile, runs its coupling MMAs and
+# writes the state's probes over them (8 KiB less shared memory at Q = 8: 4 CTAs an SM, not 3).
+# Off until `kdagen check` has run its renders on a GPU; switching it on also drops the space's
+# 3-CTA constraint for the softplus gate at Q > 4 and the run-time heuristic's (runtime.py), and
+# re-tunes the softplus chain studies. tests/test_compile.py compiles it.
+SOFTPLUS_ONE_TILE = False
+
+
 def rebase_on_demand(variant: Variant) -> bool:
     """Whether the Hopper verify ``variant`` writes its second coupling tile only in warps whose
     windows leave the range of the bounded gate's 8 tokens: softplus chains of up to 8 tokens
@@ -148,6 +157,12 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # the middle token), and with WIDE_ON_DEMAND_COUPLING the bounded gate past 8 tokens
         # (relative to -NEAR_SHIFT).
         context["rebase_on_demand"] = rebase_on_demand(variant)
+        # One warpgroup with the coupling before the projections: with SOFTPLUS_ONE_TILE the
+        # softplus chains' rebased probes go into the state's probe tile and are written over.
+        context["one_tile"] = (
+            SOFTPLUS_ONE_TILE and rebase_on_demand(variant) and not wide and variant.threads == 128
+        )
+        context["couple_tile"] = context["couple"] and not context["one_tile"]
         context["max_log_decay"] = f"{MAX_LOG_DECAY:g}"
         context["bounded_decay"] = repr(math.exp(-MAX_LOG_DECAY))
         context["conv_dim_first"] = variant.conv and variant.conv_layout == "dim_first"

@@ -314,3 +314,38 @@ def test_only_the_switched_on_kernels_get_the_bounded_edge_case(monkeypatch) -> 
     assert edge(chain8) and not edge(tree8) and not edge(wide) and not edge(wide_softplus)
     monkeypatch.setattr(krender, "WIDE_ON_DEMAND_COUPLING", True)
     assert edge(wide) and not edge(wide_softplus)
+
+
+@pytest.fixture
+def softplus_one_tile(monkeypatch: pytest.MonkeyPatch):
+    """``render.SOFTPLUS_ONE_TILE`` switched on for one test (renders cached both sides)."""
+    monkeypatch.setattr(krender, "SOFTPLUS_ONE_TILE", True)
+    krender.render.cache_clear()
+    yield
+    krender.render.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h32-q8-softplus-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+        "verify-h16-q3-softplus-conv-df-fp32-i64-sm90_wgmma-t128-r1-c396-s2-pdl",
+    ],
+)
+def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
+    name: str, tmp_path: Path, softplus_one_tile
+) -> None:
+    """Switched on (until a GPU has checked it), a one-warpgroup softplus chain of up to 8
+    tokens takes the shared memory of its bounded twin: a warp that needs the rebased probes
+    writes them into the state's probe tile and writes the state's probes over them after its
+    coupling MMAs. The two-warpgroup kernel, whose coupling runs beside the wgmma, keeps its
+    second tile."""
+    variant = Variant.parse(name)
+    source = krender.render(variant)
+    assert "s_couple" not in source and "if rebased:" in source
+    record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "softplus")
+    bounded = kcompile.compile_variant(variant.replace(gate="kda"), "sm_90a", tmp_path / "kda")
+    assert record.ok and bounded.ok, (record.error, bounded.error)
+    assert record.smem_bytes == bounded.smem_bytes and record.frame_bytes == 0
+    two = "verify-h32-q8-softplus-i32-sm90_wgmma-t256-r1-c264-s1-pdl"
+    assert "s_couple" in krender.render(Variant.parse(two))

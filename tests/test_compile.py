@@ -265,14 +265,16 @@ def test_the_conv_trees_without_selects_compile(
 
 
 @pytest.fixture
-def wide_on_demand(monkeypatch: pytest.MonkeyPatch):
-    """``render.WIDE_ON_DEMAND_COUPLING`` switched on for one test (renders cached both sides)."""
-    monkeypatch.setattr(krender, "WIDE_ON_DEMAND_COUPLING", True)
+def switched_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The switch ``request.param`` of ``kdagen.render`` on for one test (renders cached both
+    sides)."""
+    monkeypatch.setattr(krender, request.param, True)
     krender.render.cache_clear()
     yield
     krender.render.cache_clear()
 
 
+@pytest.mark.parametrize("switched_on", ["WIDE_ON_DEMAND_COUPLING"], indirect=True)
 @pytest.mark.parametrize(
     "name",
     [
@@ -281,7 +283,7 @@ def wide_on_demand(monkeypatch: pytest.MonkeyPatch):
     ],
 )
 def test_the_bounded_gate_past_8_rebases_on_demand_and_compiles(
-    name: str, tmp_path: Path, wide_on_demand
+    name: str, tmp_path: Path, switched_on
 ) -> None:
     """Switched on (until a GPU has checked it), the bounded gate past 8 tokens writes its
     second coupling tile only in a warp whose windows leave the range of 8 tokens: one vote,
@@ -316,15 +318,7 @@ def test_only_the_switched_on_kernels_get_the_bounded_edge_case(monkeypatch) -> 
     assert edge(wide) and not edge(wide_softplus)
 
 
-@pytest.fixture
-def softplus_one_tile(monkeypatch: pytest.MonkeyPatch):
-    """``render.SOFTPLUS_ONE_TILE`` switched on for one test (renders cached both sides)."""
-    monkeypatch.setattr(krender, "SOFTPLUS_ONE_TILE", True)
-    krender.render.cache_clear()
-    yield
-    krender.render.cache_clear()
-
-
+@pytest.mark.parametrize("switched_on", ["SOFTPLUS_ONE_TILE"], indirect=True)
 @pytest.mark.parametrize(
     "name",
     [
@@ -333,7 +327,7 @@ def softplus_one_tile(monkeypatch: pytest.MonkeyPatch):
     ],
 )
 def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
-    name: str, tmp_path: Path, softplus_one_tile
+    name: str, tmp_path: Path, switched_on
 ) -> None:
     """Switched on (until a GPU has checked it), a one-warpgroup softplus chain of up to 8
     tokens takes the shared memory of its bounded twin: a warp that needs the rebased probes

@@ -8,15 +8,20 @@ Each command is a thin shell over one module: ``variants`` (kdagen.space), ``ren
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import DEFAULT_SPACES, Space, SpaceError, name_matches
+
+if TYPE_CHECKING:  # the build side's heavy modules load in the commands that use them
+    from kdagen.check import CaseResult
 
 app = typer.Typer(
     help="Generate, compile, check and time KDA speculative verify/commit kernels (CuTe DSL).",
@@ -194,6 +199,14 @@ def check(
         "same kernel (a check cut short by a time limit goes on; a variant that failed in any "
         "--json file runs again)",
     ),
+    jobs: int = typer.Option(
+        0,
+        "--jobs",
+        "-j",
+        min=0,
+        help="processes compiling the variants ahead of their checks (0: the CPUs over the "
+        "shard count)",
+    ),
 ) -> None:
     """Run every variant on the GPU against the fp64 reference, edge cases included."""
     _require_gpu()
@@ -204,6 +217,7 @@ def check(
         result_records,
         shard_by_contract,
     )
+    from kdagen.compile import CompilePool
     from kdagen.render import digest
     from kdagen.serve.fingerprint import gpu_fingerprint
 
@@ -225,25 +239,36 @@ def check(
     if json_out:  # rewritten after each variant: a killed check keeps what it ran
         json_out.write_text("[]")
     failed = set()
-    for v in todo:
-        started = time.perf_counter()
-        cases = check_variant(v, seed)
-        seconds = time.perf_counter() - started
-        records += result_records(v, digests[v.name], cases)
-        if json_out:
-            json_out.write_text(json.dumps(records, indent=1))
-        worst = max(cases, key=lambda c: (not c.passed, c.score))
-        ok = all(c.passed for c in cases)
-        if not ok:
-            failed.add(v.name)
-        detail = worst.error or worst.summary()
-        typer.echo(
-            f"{'PASS' if ok else 'FAIL'}  {v.name}  ({len(cases)} cases, {seconds:.1f} s; "
-            f"worst {worst.case}: {detail})"
-        )
+    # Compiles run ahead in worker processes (into the cache the checks load from), so the
+    # checks wait for the compiler once, not at every variant.
+    with CompilePool(arch, jobs or max(1, (os.cpu_count() or 1) // count)) as pool:
+        for v in todo:
+            pool.submit(v)
+        for v in todo:
+            pool.result(v)  # a failed compile is reported by the check's own attempt
+            started = time.perf_counter()
+            cases = check_variant(v, seed)
+            seconds = time.perf_counter() - started
+            records += result_records(v, digests[v.name], cases)
+            if json_out:
+                json_out.write_text(json.dumps(records, indent=1))
+            if not _echo_verdict(v, cases, seconds):
+                failed.add(v.name)
     typer.echo(f"{len(todo) - len(failed)} passed, {len(failed)} failed")
     if failed:
         raise typer.Exit(1)
+
+
+def _echo_verdict(variant: Variant, cases: list[CaseResult], seconds: float) -> bool:
+    """One variant's check line: PASS or FAIL and its worst case. Whether every case passed."""
+    worst = max(cases, key=lambda c: (not c.passed, c.score))
+    ok = all(c.passed for c in cases)
+    detail = worst.error or worst.summary()
+    typer.echo(
+        f"{'PASS' if ok else 'FAIL'}  {variant.name}  ({len(cases)} cases, {seconds:.1f} s; "
+        f"worst {worst.case}: {detail})"
+    )
+    return ok
 
 
 @app.command()

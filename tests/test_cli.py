@@ -158,6 +158,38 @@ def test_check_refuses_sm100_variants_on_another_gpu(monkeypatch: pytest.MonkeyP
     assert "statically verified" in text and "nothing to run on this sm_90a GPU" in text
 
 
+def test_check_compiles_its_variants_ahead_then_checks_each(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``kdagen check`` hands every variant to a pool of compile processes first: by the time a
+    variant's check starts, its kernel is in the compile cache (the checks are faked here; no
+    GPU), and the verdicts follow in order."""
+    import kdagen.check
+    import kdagen.cli
+    import kdagen.serve.runtime
+    from kdagen.check import CaseResult
+    from kdagen.compile import object_path
+    from kdagen.serve.variant import Variant
+
+    monkeypatch.setenv("KDAGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(kdagen.cli, "_require_gpu", lambda: None)
+    monkeypatch.setattr(kdagen.serve.runtime, "device_arch", lambda device=None: "sm_90a")
+    names = ["commit-h12-q1-i32-bulk-t128-v4-r4-pdl", "commit-h12-q1-i32-bulk-t256-v8-r2-pdl"]
+    cached_at_check = {}
+
+    def fake_check(variant: Variant, seed: int) -> list[CaseResult]:
+        cached_at_check[variant.name] = object_path(variant, "sm_90a").exists()
+        return [CaseResult(variant.name, "single", 0.0, 0.0, 0.0, True, True)]
+
+    monkeypatch.setattr(kdagen.check, "check_variant", fake_check)
+    args = ["check", "--space", "commit.yaml", "--match", ",".join(names), "--jobs", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert cached_at_check == dict.fromkeys(names, True)
+    verdicts = [line.split()[1] for line in result.output.splitlines() if line.startswith("PASS")]
+    assert verdicts == names and "2 passed, 0 failed" in result.output
+
+
 SPACE = """description: one point
 kernel: commit
 contract: {heads: [HEADS], window: [1], slot_dtype: [int32]}

@@ -158,6 +158,17 @@ def _timed(launches: list, per: int) -> float:
     return time_graph(launches).median_us * len(launches) / per
 
 
+def model_sets(heads: int, window: int, layers: int, batch: int, seed: int,
+               with_activations: bool, lower_bound: float | None = -5.0) -> list[ModelSet]:  # fmt: skip
+    """As many input sets (seeds ``seed``, ``seed + 1``, ...) as rotate out of L2 in one graph
+    (``sets_for`` the commit's bytes)."""
+    probe = model_set(heads, window, layers, batch, seed, False, lower_bound)
+    count = sets_for(commit_bytes(probe, conv=True))
+    del probe
+    return [model_set(heads, window, layers, batch, seed + i, with_activations, lower_bound)
+            for i in range(count)]  # fmt: skip
+
+
 def bench_model(heads: int, window: int, layers: int, batches: list[int], bandwidth: float,
                 peers: bool = True, step: bool = True, seed: int = 0,
                 lower_bound: float | None = -5.0) -> list[ModelBenchRow]:  # fmt: skip
@@ -169,11 +180,7 @@ def bench_model(heads: int, window: int, layers: int, batches: list[int], bandwi
     peer_verify = vllm_verify().fn if peers and step else None
     rows = []
     for batch in batches:
-        probe = model_set(heads, window, layers, batch, seed, False, lower_bound)
-        count = sets_for(commit_bytes(probe, conv=True))
-        del probe
-        sets = [model_set(heads, window, layers, batch, seed + i, step, lower_bound)
-                for i in range(count)]  # fmt: skip
+        sets = model_sets(heads, window, layers, batch, seed, step, lower_bound)
         floor = commit_bytes(sets[0], True) / bandwidth * 1e6
         rows.append(_bench_batch(sets, window, batch, peer_commit, peer_verify, step, floor,
                                  commit_bytes(sets[0], False) / bandwidth * 1e6,

@@ -156,11 +156,12 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # gate's 8 tokens (MAX_LOG_DECAY): softplus chains up to 8 tokens (factors relative to
         # the middle token), and with WIDE_ON_DEMAND_COUPLING the bounded gate past 8 tokens
         # (relative to -NEAR_SHIFT).
-        context["rebase_on_demand"] = rebase_on_demand(variant)
+        on_demand = rebase_on_demand(variant)
+        context["rebase_on_demand"] = on_demand
         # One warpgroup with the coupling before the projections: with SOFTPLUS_ONE_TILE the
         # softplus chains' rebased probes go into the state's probe tile and are written over.
         context["one_tile"] = (
-            SOFTPLUS_ONE_TILE and rebase_on_demand(variant) and not wide and variant.threads == 128
+            SOFTPLUS_ONE_TILE and on_demand and not wide and variant.threads == 128
         )
         context["couple_tile"] = context["couple"] and not context["one_tile"]
         context["max_log_decay"] = f"{MAX_LOG_DECAY:g}"

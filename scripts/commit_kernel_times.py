@@ -54,10 +54,8 @@ def main() -> None:
     factories = [("kdagen", KDARecoverSSMCommitContext)] + ([("vllm", peer)] if peer else [])
     for batch in (int(b) for b in args.batches.split(",")):
         shape = (args.heads, args.window, args.layers, batch)
-        probe = bench_model.model_set(*shape, 0, False)
-        count = bench.sets_for(bench_model.commit_bytes(probe, True))
-        del probe
-        sets = [bench_model.model_set(*shape, i, False) for i in range(count)]
+        sets = bench_model.model_sets(*shape, 0, False)
+        count = len(sets)
         for name, factory in factories:
             launches = [partial(factory.create(s.layers, spec_query_len=args.window,
                                                max_num_reqs=batch).commit, **s.step)

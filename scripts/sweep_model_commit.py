@@ -25,7 +25,7 @@ import kdagen.render as krender
 from kdagen import bench, bench_model
 from kdagen.peers import vllm_commit
 from kdagen.serve.model_commit import ModelCommit
-from kdagen.space import Space
+from kdagen.space import Space, name_matches
 
 
 def time_variant(sets: list, built: list[ModelCommit], variant: object) -> bench.Timing:
@@ -78,14 +78,11 @@ def main() -> None:
     build = "-noprefix" if args.no_prefix_caching else ""
     key = f"commit-h{args.heads}-q{args.window}{build}-i32"
     candidates = [v for v in Space.load("commit.yaml").expand().variants
-                  if v.contract_key == key and any(m in v.name for m in args.match.split(","))]  # fmt: skip
+                  if v.contract_key == key and name_matches(v.name, args.match or None)]  # fmt: skip
     peer = vllm_commit().fn
     for batch in (int(b) for b in args.batches.split(",")):
-        probe = bench_model.model_set(args.heads, args.window, args.layers, batch, 0, False)
-        count = bench.sets_for(bench_model.commit_bytes(probe, True))
-        del probe
-        sets = [bench_model.model_set(args.heads, args.window, args.layers, batch, i, False)
-                for i in range(count)]  # fmt: skip
+        sets = bench_model.model_sets(args.heads, args.window, args.layers, batch, 0, False)
+        count = len(sets)
         floor = bench_model.commit_bytes(sets[0], True) / bw * 1e6
         floor_plain = bench_model.commit_bytes(sets[0], False) / bw * 1e6
         with_conv = [bench_model.model_commit(s, conv=True) for s in sets]

@@ -28,14 +28,17 @@ def test_help_lists_the_pipeline() -> None:
 def test_variants_prints_count_constraints_and_names() -> None:
     result = runner.invoke(app, ["variants", "--space", "commit.yaml"])
     assert result.exit_code == 0, result.output
-    assert "space commit (commit): 924 variants from 2304 points" in result.output
-    assert "removed  960: the models' head counts per GPU" in result.output
-    assert "removed  308: the build without prefix caching" in result.output
-    assert "removed  112: at most 16 update chunks per thread" in result.output
+    assert "space commit (commit): 1001 variants from 4608 points" in result.output
+    assert "removed 1920: the models' head counts per GPU" in result.output
+    assert "removed  847: an update path per accepted count at the 8-token window" in result.output
+    assert "removed  616: the build without prefix caching" in result.output
+    assert "removed  224: at most 16 update chunks per thread" in result.output
     assert "commit-h12-q8-i32-bulk-t128-v8-r1-pdl" in result.output
     assert "commit-h12-q8-noprefix-i32-bulk-t128-v8-r1-pdl" in result.output
     assert "commit-h32-q8-softplus-noprefix-i32-bulk-t128-v8-r1-pdl" in result.output
     assert "commit-h12-q8-noprefix-i64-bulk-t128-v8-r1-pdl" not in result.output
+    assert "commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl" in result.output
+    assert "commit-h12-q8-i32-bulk-t256-v4-r1-f8-pdl" not in result.output
 
 
 def test_variants_bad_space_file(tmp_path: Path) -> None:

@@ -24,10 +24,10 @@ from kdagen.serve.fingerprint import fingerprint_of, slug
 from kdagen.serve.variant import Variant
 
 GPU = "nvidia-h200-sm90-132sm"
-R4 = {"path": "bulk", "threads": 128, "vec": 4, "row_split": 4, "pdl": True}
-R2 = {"path": "bulk", "threads": 128, "vec": 4, "row_split": 2, "pdl": True}
-R1 = {"path": "bulk", "threads": 256, "vec": 4, "row_split": 1, "pdl": True}
-T256_V8 = {"path": "bulk", "threads": 256, "vec": 8, "row_split": 1, "pdl": True}
+R4 = {"path": "bulk", "threads": 128, "vec": 4, "row_split": 4, "pdl": True, "fold_paths": 1}
+R2 = {"path": "bulk", "threads": 128, "vec": 4, "row_split": 2, "pdl": True, "fold_paths": 1}
+R1 = {"path": "bulk", "threads": 256, "vec": 4, "row_split": 1, "pdl": True, "fold_paths": 1}
+T256_V8 = {"path": "bulk", "threads": 256, "vec": 8, "row_split": 1, "pdl": True, "fold_paths": 1}
 
 
 def heuristic(heads: int = 12, window: int = 8, slot_dtype: str = "int32") -> Variant:

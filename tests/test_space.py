@@ -17,13 +17,16 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_shipped_commit_space_expands_with_its_constraint() -> None:
     expansion = Space.load("commit.yaml").expand()
-    # 6 head counts x 4 windows x 2 slot dtypes x 2 gates x 2 builds x 12 tuning points; each
-    # gate keeps its model's head counts (3 of 6 for kda, 4 for softplus), 11 of 12 tuning
-    # points fit, and the build without prefix caching ships at int32 slots only.
-    assert expansion.points == 2304
-    kept = (3 + 4) * 4 * 2 * 11 + (3 + 4) * 4 * 11
-    assert len(expansion.variants) == kept
-    assert sum(expansion.removed.values()) == 2304 - kept
+    # 6 head counts x 4 windows x 2 slot dtypes x 2 gates x 2 builds x 12 tuning points x 2
+    # update path counts; each gate keeps its model's head counts (3 of 6 for kda, 4 for
+    # softplus), 11 of 12 tuning points fit, the build without prefix caching ships at int32
+    # slots only, and 8 update paths only there at Q = 8.
+    assert expansion.points == 4608
+    kept = (3 + 4) * 4 * 2 * 11 + (3 + 4) * 4 * 11 + (3 + 4) * 11
+    assert len(expansion.variants) == kept == 1001
+    assert sum(expansion.removed.values()) == 4608 - kept
+    counted = {(v.window, v.prefix_caching) for v in expansion.variants if v.fold_paths == 8}
+    assert counted == {(8, False)}
     lean = {(v.gate, v.slot_dtype) for v in expansion.variants if not v.prefix_caching}
     assert lean == {("kda", "int32"), ("softplus", "int32")}
     by_gate = {g: {v.heads for v in expansion.variants if v.gate == g} for g in ("kda", "softplus")}

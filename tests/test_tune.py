@@ -106,12 +106,12 @@ def test_search_space_maps_points_to_candidates_and_names_invalid_ones() -> None
     space = SearchSpace(candidates())
     assert len(space.candidates) == 11
     assert space.choices == {"threads": [128, 256], "vec": [4, 8], "row_split": [1, 2, 4],
-                             "pdl": [True]}  # fmt: skip
+                             "pdl": [True], "fold_paths": [1]}  # fmt: skip
     ok = optuna.trial.FixedTrial({"path": "bulk", "threads": 256, "vec": 4, "row_split": 1,
-                                  "pdl": True})  # fmt: skip
+                                  "pdl": True, "fold_paths": 1})  # fmt: skip
     assert space.variant_of(ok) == Variant.parse(f"{KEY}-bulk-t256-v4-r1-pdl")
     removed = optuna.trial.FixedTrial({"path": "bulk", "threads": 128, "vec": 4,
-                                       "row_split": 1, "pdl": True})  # fmt: skip
+                                       "row_split": 1, "pdl": True, "fold_paths": 1})  # fmt: skip
     assert space.variant_of(removed) == "invalid: removed by a constraint of the search space"
 
 

@@ -19,9 +19,32 @@ def test_name_is_readable_and_parses_back() -> None:
 
 def test_contract_and_tuning_fields_are_separate() -> None:
     v = Variant(**BASE, threads=256, row_split=4)
-    assert set(v.tuning) == {"path", "threads", "vec", "row_split", "pdl"}
+    assert set(v.tuning) == {"path", "threads", "vec", "row_split", "pdl", "fold_paths"}
     assert v.contract["heads"] == 12 and "threads" not in v.contract
     assert v.contract_key == v.replace(threads=128, row_split=1).contract_key
+
+
+def test_fold_paths_name_only_where_they_differ_from_one_path() -> None:
+    """The names of kernels tuned before the field existed stay valid: one path is nameless."""
+    v = Variant(**BASE)
+    assert v.name == "commit-h12-q8-i32-bulk-t128-v8-r1-pdl" and v.fold_paths == 1
+    counted = v.replace(fold_paths=8)
+    assert counted.name == "commit-h12-q8-i32-bulk-t128-v8-r1-f8-pdl"
+    assert Variant.parse(counted.name) == counted
+    assert "fold_paths" not in v.tuning_summary and "fold_paths=8" in counted.tuning_summary
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"fold_paths": 8, "window": 4}, "fold_paths=8 does not divide window=4"),
+        ({"fold_paths": 3}, "fold_paths"),
+        ({"kernel": "verify", "path": "sm90_wgmma", "fold_paths": 2}, "only commit folds"),
+    ],
+)
+def test_fold_paths_are_refused_where_no_update_path_fits(changes, message) -> None:
+    with pytest.raises(VariantError, match=message):
+        Variant(**{**BASE, **changes})
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ CONTRACT_FIELDS = (
     "tree",
     "prefix_caching",
 )
-TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "stages", "pdl")
+TUNING_FIELDS = ("path", "threads", "vec", "row_split", "ctas", "stages", "pdl", "fold_paths")
 
 # Allowed values per field; ints with a range are checked by ``_RANGES``.
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -53,6 +53,9 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "row_split": (1, 2, 4, 8),
     "stages": (1, 2),  # state buffers in shared memory: 2 loads the next item's state earlier
     "pdl": (False, True),
+    # commit: unrolled update paths; path p folds up to (p + 1) Q / fold_paths tokens, so a
+    # CTA runs the FMAs of its accepted count's path instead of the whole window's
+    "fold_paths": (1, 2, 4, 8),
 }
 _RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 16), "ctas": (1, 1 << 16)}
 # The widest window each kernel path computes (its coupling tiles and the range of its factors).
@@ -77,7 +80,7 @@ PATHS: dict[str, dict[str, PathSpec]] = {
             template="commit/bulk.py.j2",
             class_name="KdaCommit",
             archs=("sm_90a", "sm_100a"),
-            tuning=("threads", "vec", "row_split", "pdl"),
+            tuning=("threads", "vec", "row_split", "pdl", "fold_paths"),
         ),
     },
     "verify": {
@@ -109,7 +112,11 @@ _TUNING_TOKENS = (
     ("row_split", "r"),
     ("ctas", "c"),
     ("stages", "s"),
+    ("fold_paths", "f"),
 )
+# Fields added after the first tuned tables: left out of a name at this value, so the names
+# of the kernels those tables hold stay valid.
+_NAMELESS_DEFAULTS = {"fold_paths": 1}
 
 
 class VariantError(ValueError):
@@ -140,6 +147,7 @@ class Variant:
     ctas: int = 740  # persistent grid bound: resident CTAs per SM x SMs (B200: 5 x 148)
     stages: int = 1
     pdl: bool = True
+    fold_paths: int = 1
 
     def __post_init__(self) -> None:
         if self.path == "" and self.kernel in PATHS and PATHS[self.kernel]:
@@ -187,8 +195,9 @@ class Variant:
     def name(self) -> str:
         parts = [self.contract_key, self.path]
         for field_name, token in _TUNING_TOKENS:
-            if field_name in self.spec.tuning:
-                parts.append(f"{token}{getattr(self, field_name)}")
+            value = getattr(self, field_name)
+            if field_name in self.spec.tuning and _NAMELESS_DEFAULTS.get(field_name) != value:
+                parts.append(f"{token}{value}")
         if "pdl" in self.spec.tuning:
             parts.append("pdl" if self.pdl else "nopdl")
         return "-".join(parts)
@@ -209,7 +218,9 @@ class Variant:
 
     @property
     def tuning_summary(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.tuning.items())
+        """The tuning fields as the name shows them (a nameless default left out)."""
+        shown = {k: v for k, v in self.tuning.items() if _NAMELESS_DEFAULTS.get(k) != v}
+        return ", ".join(f"{k}={v}" for k, v in shown.items())
 
     def replace(self, **changes: Any) -> Variant:
         return dataclasses.replace(self, **changes)
@@ -348,6 +359,11 @@ def _check_path_rules(v: Variant) -> None:
             f"window={v.window} is not allowed for path {v.path!r}: its kernels compute "
             f"windows of 1..{most} tokens"
         )
+    if v.kernel != "commit" and v.fold_paths != 1:
+        raise VariantError(
+            f"fold_paths={v.fold_paths} is not allowed for kernel {v.kernel!r}: only commit "
+            "folds accepted tokens; allowed values: [1]"
+        )
     if v.kernel == "commit":
         _check_commit_rules(v)
     if v.path == "sm90_wgmma":
@@ -362,6 +378,11 @@ def _check_commit_rules(v: Variant) -> None:
         raise VariantError(
             f"threads={v.threads} does not divide the {rows * group} chunks of "
             f"row_split={v.row_split} evenly"
+        )
+    if v.window % v.fold_paths:
+        raise VariantError(
+            f"fold_paths={v.fold_paths} does not divide window={v.window}: each update path "
+            "folds a whole number of tokens more than the one before it"
         )
 
 

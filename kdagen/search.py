@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from kdagen.serve.variant import PATHS, Variant, VariantError
@@ -64,6 +65,13 @@ class SearchSpace:
 
     def params_of(self, variant: Variant) -> dict[str, Any]:
         return dict(variant.tuning)
+
+    def distributions_of(self, variant: Variant) -> dict[str, CategoricalDistribution]:
+        """The distributions ``variant_of`` suggests ``variant``'s parameters from."""
+        fields = PATHS[self.base.kernel][variant.path].tuning
+        return {"path": CategoricalDistribution(self.paths)} | {
+            f: CategoricalDistribution(self.choices[f]) for f in fields
+        }
 
     def variant_of(self, trial: optuna.Trial) -> Variant | str:
         """The candidate a trial suggests, or why the point is not one."""
@@ -116,6 +124,21 @@ def waiting(study: optuna.Study) -> set[str]:
         str(t.user_attrs.get("variant"))
         for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     }
+
+
+def carry_over(study: optuna.Study, space: SearchSpace, outcomes: dict[str, Outcome]) -> None:
+    """Scores of an earlier study of fewer candidates (``recorded``), added to ``study`` as
+    finished trials of this space's parameters, so they count and TPE learns from them."""
+    for name, outcome in outcomes.items():
+        if variant := space.by_name.get(name):
+            study.add_trial(
+                optuna.trial.create_trial(
+                    params=space.params_of(variant),
+                    distributions=space.distributions_of(variant),
+                    value=outcome.value,
+                    user_attrs=outcome.attrs | {"variant": name},
+                )
+            )
 
 
 def enqueue(study: optuna.Study, space: SearchSpace, variants: Sequence[Variant]) -> None:

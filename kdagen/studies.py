@@ -6,7 +6,8 @@ candidates (their names and a hash of them) and a hash of their rendered kernels
 hash) and of their compiled machine code (``kdagen.machine_code``). A run resumes the studies
 whose kernels are unchanged and starts again those whose kernels or candidates changed: after
 a template edit only the affected studies are measured again, and no study mixes measurements
-of two kernels. A study whose kernels render differently but compile to the machine code it
+of two kernels. A study whose space only gained candidates keeps what it measured and scores
+the new ones. A study whose kernels render differently but compile to the machine code it
 measured (a refactor) is kept, re-stamped with the new renders. A study measured on another GPU is
 refused. Trials a killed run left RUNNING are marked FAIL on resume (TPE ignores FAIL
 trials), so their candidates are asked again and scored properly: a study is only touched by
@@ -196,6 +197,30 @@ def keep_if_same_machine(
     storage.set_study_user_attr(study_id, "render_hash", kernels_digest(names))
     storage.set_study_user_attr(study_id, "template_hash", stamp.template_hashes[attrs["kernel"]])
     return True
+
+
+def grown_study(
+    storage: optuna.storages.BaseStorage,
+    name: str,
+    planned: Sequence[str],
+    space_hash: str,
+    stamp: Stamp,
+) -> optuna.Study | None:
+    """Study ``name`` when its candidates only grew (a space gained a tuning value): same GPU
+    and DSL, every candidate it had still ``planned`` and rendering to the kernel it measured.
+    Its scores stand (``carry_over`` them into the study that replaces it: Optuna keeps a
+    parameter's values fixed within a study); None otherwise."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return None
+    attrs = storage.get_study_user_attrs(study_id)
+    names = attrs.get("candidate_names")
+    if (not names or not attrs.get("render_hash") or attrs.get("space") in (None, space_hash)
+            or foreign(attrs, stamp) or staleness(attrs, stamp) is not None
+            or not set(names) < set(planned)):  # fmt: skip
+        return None
+    return optuna.load_study(study_name=name, storage=storage)
 
 
 def fail_interrupted(storage: optuna.storages.BaseStorage, study: optuna.Study) -> int:

@@ -56,6 +56,7 @@ from kdagen.schedule import Schedule, Slot
 from kdagen.search import (
     Outcome,
     SearchSpace,
+    carry_over,
     drive,
     enqueue,
     make_sampler,
@@ -73,6 +74,7 @@ from kdagen.studies import (
     fail_interrupted,
     folder_lock,
     fresh_studies,
+    grown_study,
     keep_if_same_machine,
     make_stamp,
     restart_stale,
@@ -295,19 +297,29 @@ def _run(
 
     def run_one(slot: Slot, claim: Claim, label: str) -> None:
         plan, batch = planned[claim.study]
-        # by its holder only: kept where a refactor compiled to the same code, else restarted
+        carried = None  # what a study whose candidates only grew measured, for its successor
+        # by its holder only: kept where a refactor compiled to the same code or the candidates
+        # only grew, else restarted
         if claim.study in stale and keep_if_same_machine(
             storage, claim.study, plan.space_hash, stamp, partial(machine_code_of, compiler)
         ):
             echo(f"[{label}{claim.study}] kept: its kernels render differently but compile "
                  "to the machine code it measured")  # fmt: skip
+        elif claim.study in stale and (
+            grown := grown_study(
+                storage, claim.study, [v.name for v in plan.candidates], plan.space_hash, stamp
+            )
+        ):
+            carried = (recorded(grown), grown.user_attrs.get("wall_s", 0.0))
+            echo(f"[{label}{claim.study}] kept: its candidates only grew; the new ones are "
+                 "measured and the finals re-timed")  # fmt: skip
         restart_stale(storage, {claim.study: plan.space_hash}, stamp)
         for study in fresh_studies(storage, stamp, plan.key):  # what other processes found
             ledger.add_study(study)
         ev = CandidateEvaluator(compiler, slot.worker, ledger, progress, options.timeout_s,
                                 options.seed, guard=lambda: schedule.guard(claim))  # fmt: skip
         try:
-            run_study(ev, storage, plan, batch, stamp, options, default_for, label)
+            run_study(ev, storage, plan, batch, stamp, options, default_for, label, carried)
         except WorkerFailure as failure:  # only a worker that cannot start again gets here
             where = f"{slot.label}: " if len(slots) > 1 else ""
             raise TuneError(where + failure.reason) from None
@@ -349,15 +361,17 @@ def _folder_storage(folder: Path) -> str:
 
 def _finished(study: optuna.Study, plan: StudyPlan, options: TuneOptions) -> bool:
     """Whether running ``study`` (fresh) again would measure, re-time, re-pick and re-stamp
-    nothing: its budget of candidates scored, its finals over exactly those at this run's
-    rounds and pick rule, and this run's workloads recorded. Such a study is not claimed: each
+    nothing: the planned candidates (a space that lost some restarts it), its budget of them
+    scored, its finals over exactly those at this run's rounds and pick rule, and this run's
+    workloads recorded. Such a study is not claimed: each
     claim still costs storage reads and writes (about 2 s on a table of 700 studies), so a
     resumed tune would otherwise spend its time walking what it already has."""
     attrs = study.user_attrs
     final = attrs.get("final") or {}
     n = len(plan.candidates)
     scored = len(recorded(study))
-    return (scored >= _budget(n, options) and final.get("scored") == scored
+    return (attrs.get("space") == plan.space_hash and scored >= _budget(n, options)
+            and final.get("scored") == scored
             and final.get("rounds") == options.rounds and final.get("pick_rule") == PICK_RULE
             and (scored < n or "efficiency" in attrs)
             and set(plan.workloads) <= set(attrs.get("workloads", ())))  # fmt: skip
@@ -373,7 +387,8 @@ def _say_restarts(stale: dict[str, str], echo: Callable[[str], None]) -> None:
         n = len(stale)
         listed = "; ".join(f"{name}: {why}" for name, why in list(stale.items())[:3])
         echo(f"{n} stud{'y' if n == 1 else 'ies'} whose kernels or candidates changed, kept "
-             "where the kernels compile to the machine code measured, else started again: "
+             "where the kernels compile to the machine code measured or the candidates only "
+             "grew, else started again: "
              f"{listed}{f'; and {n - 3} more' if n > 3 else ''}")  # fmt: skip
 
 
@@ -395,9 +410,11 @@ def run_study(
     options: TuneOptions,
     default_for: Callable[[Variant, int], Variant] | None = None,
     label: str = "",
+    carried: tuple[dict[str, Outcome], float] | None = None,
 ) -> None:
     """One (contract key, batch bucket) study: trials until the budget, then the finals.
-    ``label`` starts its progress lines (which study of how many, on which GPU)."""
+    ``label`` starts its progress lines (which study of how many, on which GPU); ``carried``:
+    the scores and wall time of the study it replaces, whose candidates only grew."""
     name = plan.study_name(batch)
     space = SearchSpace(plan.candidates)
     study = optuna.create_study(
@@ -405,6 +422,9 @@ def run_study(
         sampler=make_sampler(_seed(options.seed, name), len(space.candidates)),
     )  # fmt: skip
     _stamp_study(study, plan, batch, stamp)
+    if carried and not study.trials:
+        carry_over(study, space, carried[0])
+        study.set_user_attr("wall_s", carried[1])
     fail_interrupted(storage, study)
     default = (default_for or ev.default)(plan.candidates[0], batch)
     budget = _budget(len(space.candidates), options)
@@ -431,7 +451,11 @@ def run_study(
         )
     else:
         _pick_under_current_rule(study)
-    if set(recorded(study)) >= set(space.by_name) and "efficiency" not in study.user_attrs:
+    measured_all = set(recorded(study)) >= set(space.by_name)
+    replayed = study.user_attrs.get("efficiency", False)  # None: nothing succeeded
+    if measured_all and (
+        replayed is False or (replayed and replayed["candidates"] != len(space.candidates))
+    ):
         study.set_user_attr("efficiency", _efficiency(study, space, default, lookahead))
     if measured or retime:  # a complete study run again (another process, a resume) took none
         wall = study.user_attrs.get("wall_s", 0.0) + time.perf_counter() - started

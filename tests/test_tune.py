@@ -33,7 +33,7 @@ from kdagen.search import (
 from kdagen.serve import dispatch
 from kdagen.serve.variant import Variant
 from kdagen.simulate import SimulatedCompiler
-from kdagen.space import Space
+from kdagen.space import SPACE_DIR, Space
 from kdagen.storage import FOLDER_DB, PACKED_DB, folder_url, open_storage, pack_folder
 from kdagen.studies import (
     Stamp,
@@ -453,6 +453,44 @@ def test_stale_studies_start_again_and_other_gpus_are_refused(tmp_path: Path) ->
         restart_stale(storage, planned | {f"{KEY}/b6": "abc"}, stamp)
 
 
+def test_a_space_that_only_grows_keeps_what_its_studies_measured(
+    tmp_path: Path, workloads: Path
+) -> None:
+    """A tuning value added to a space: the studies keep their trials, score only the new
+    candidates and re-time their finals; the efficiency replay covers the grown space."""
+    shipped = (SPACE_DIR / "commit.yaml").read_text()
+    space = tmp_path / "commit.yaml"
+    space.write_text(shipped.replace("threads: [128, 256]", "threads: [128]"))
+    opts = options(tmp_path, workloads, simulate={}, spaces=(str(space),), exhaustive=True)
+    run(opts, lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    before = {n: {t.number: (t.user_attrs["variant"], t.value) for t in s.get_trials()
+                  if t.user_attrs.get("status") == "ok"} for n, s in studies_of(folder).items()}  # fmt: skip
+    small = {v for trials in before.values() for v, _ in trials.values()}
+    assert small and all("-t128-" in v for v in small)
+
+    space.write_text(shipped)  # threads 256 comes back: the candidates of every study grow
+    said: list[str] = []
+    run(opts, said.append, fixed_default)
+    grown = set(scored_names(studies_of(folder)[f"{KEY}/b1"]))
+    assert grown == {v.name for v in candidates()}
+    for name, study in studies_of(folder).items():
+        scores = {t.user_attrs["variant"]: t.value for t in study.get_trials()
+                  if t.user_attrs.get("status") == "ok"}  # fmt: skip
+        assert {v: scores[v] for v, _ in before[name].values()} == dict(before[name].values())
+        names = scored_names(study)
+        assert len(names) == len(set(names)) == len(candidates())  # only the new ones ran
+        assert study.user_attrs["final"]["scored"] == len(candidates())  # finals re-timed
+        assert study.user_attrs["efficiency"]["candidates"] == len(candidates())
+    assert sum("kept: its candidates only grew" in line for line in said) == len(before)
+
+    space.write_text(shipped.replace("vec: [4, 8]", "vec: [4]"))  # shrunk: measured again
+    said.clear()
+    run(opts, said.append, fixed_default)
+    assert not any("kept:" in line for line in said)
+    assert all(len(scored_names(s)) < len(candidates()) for s in studies_of(folder).values())
+
+
 def test_a_template_edit_measures_again_only_the_studies_it_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -482,8 +520,8 @@ def test_a_template_edit_measures_again_only_the_studies_it_changes(
         t for _, t in before["commit-h12-q2-i32/b1"]
     )  # measured again from scratch
     assert any("1 study whose kernels or candidates changed, kept where the kernels compile "
-               "to the machine code measured, else started again: commit-h12-q2-i32/b1: its "
-               "kernels render differently" in s for s in said)  # fmt: skip
+               "to the machine code measured or the candidates only grew, else started again: "
+               "commit-h12-q2-i32/b1: its kernels render differently" in s for s in said)  # fmt: skip
     assert not any("kept:" in s for s in said)
     table = dispatch.load_table(folder)
     assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],

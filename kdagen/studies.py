@@ -181,13 +181,9 @@ def keep_if_same_machine(
     from kdagen.machine_code import machine_hash
     from kdagen.render import kernels_digest
 
-    try:
-        study_id = storage.get_study_id_from_name(name)
-    except KeyError:
-        return False
-    attrs = storage.get_study_user_attrs(study_id)
+    study_id, attrs = _stored(storage, name)
     names = attrs.get("candidate_names")
-    if (not attrs.get("machine_hash") or not names or attrs.get("space") != space_hash
+    if (study_id is None or not attrs.get("machine_hash") or not names or attrs.get("space") != space_hash
             or foreign(attrs, stamp) or attrs.get("dsl_version") != stamp.dsl_version
             or staleness(attrs, stamp) is None):  # fmt: skip
         return False
@@ -210,17 +206,22 @@ def grown_study(
     and DSL, every candidate it had still ``planned`` and rendering to the kernel it measured.
     Its scores stand (``carry_over`` them into the study that replaces it: Optuna keeps a
     parameter's values fixed within a study); None otherwise."""
-    try:
-        study_id = storage.get_study_id_from_name(name)
-    except KeyError:
-        return None
-    attrs = storage.get_study_user_attrs(study_id)
+    study_id, attrs = _stored(storage, name)
     names = attrs.get("candidate_names")
-    if (not names or not attrs.get("render_hash") or attrs.get("space") in (None, space_hash)
+    if (study_id is None or not names or not attrs.get("render_hash") or attrs.get("space") in (None, space_hash)
             or foreign(attrs, stamp) or staleness(attrs, stamp) is not None
             or not set(names) < set(planned)):  # fmt: skip
         return None
     return optuna.load_study(study_name=name, storage=storage)
+
+
+def _stored(storage: optuna.storages.BaseStorage, name: str) -> tuple[int | None, dict[str, Any]]:
+    """Study ``name``'s id and user attributes ((None, {}) when the storage has no such study)."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return None, {}
+    return study_id, storage.get_study_user_attrs(study_id)
 
 
 def fail_interrupted(storage: optuna.storages.BaseStorage, study: optuna.Study) -> int:

@@ -483,6 +483,10 @@ def test_a_space_that_only_grows_keeps_what_its_studies_measured(
         assert study.user_attrs["final"]["scored"] == len(candidates())  # finals re-timed
         assert study.user_attrs["efficiency"]["candidates"] == len(candidates())
     assert sum("kept: its candidates only grew" in line for line in said) == len(before)
+    done = next(line for line in said if line.startswith("all 2 studies done"))
+    timed = int(done.split(" timed ")[1].split()[0])
+    new, finals = len(candidates()) - len(small), opts.rounds * 4  # three finalists, the default
+    assert timed <= len(before) * (new + finals)  # the kept candidates were not timed again
 
     space.write_text(shipped.replace("vec: [4, 8]", "vec: [4]"))  # shrunk: measured again
     said.clear()

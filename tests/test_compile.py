@@ -343,3 +343,16 @@ def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
     assert record.smem_bytes == bounded.smem_bytes and record.frame_bytes == 0
     two = "verify-h32-q8-softplus-i32-sm90_wgmma-t256-r1-c264-s1-pdl"
     assert "s_couple" in krender.render(Variant.parse(two))
+
+
+def test_the_general_commit_folds_its_boundary_state_on_one_path(tmp_path: Path) -> None:
+    """Not yet in a shipped space (no GPU has timed it): the commit with prefix caching and 8
+    update paths unrolls only its final fold per count (the boundary state folds on one path),
+    with no more registers than its one-path twin and no stack."""
+    variant = Variant.parse("commit-h12-q8-i32-bulk-t256-v4-r1-f8-pdl")
+    source = krender.render(variant)
+    assert "boundary_count, boundary, 1)" in source and "count, final, FOLD_PATHS)" in source
+    counted = kcompile.compile_variant(variant, "sm_90a", tmp_path / "counted")
+    single = kcompile.compile_variant(variant.replace(fold_paths=1), "sm_90a", tmp_path / "one")
+    assert counted.ok and single.ok, (counted.error, single.error)
+    assert counted.registers <= single.registers and counted.frame_bytes == 0

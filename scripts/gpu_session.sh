@@ -6,6 +6,7 @@
 # bench, bench_commit, tune (the shipped workloads, resuming from generated/ into OUTDIR/gen,
 # then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/; what the
 # check steps passed before it is not checked again),
+# sweep_commit (scripts/sweep_model_commit.py with SWEEP_ARGS, e.g. "--no-prefix-caching --batches 1,16"),
 # bench_model (the all-layer commit and decode step of a 69-layer model; bench_model_softplus:
 # Kimi-Linear's 20 layers at TP 1, H 32, with its softplus gate), bench_gate (the
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
@@ -110,6 +111,9 @@ fi
 if has bench_wide_gate; then  # Q = 16, H 32 (both models' head count): softplus beside bounded
   TAIL=12 step bench_wide_gate kdagen bench --space verify_wide_sm90.yaml --gate both --heads 32 --window 16 \
     --batches 1,16,64,256,512 --no-peers --out "$out/bench_wide_gate_h32_q16.json"
+fi
+if has sweep_commit; then  # every commit variant of a key on the 69-layer step (SWEEP_ARGS: the script's options)
+  TAIL=40 step sweep_commit bounded python3 scripts/sweep_model_commit.py ${SWEEP_ARGS:-}
 fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"

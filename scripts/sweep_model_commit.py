@@ -11,6 +11,10 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
     python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
                                          [--batches 1,16,64,256] [--top 4] [--match S]
                                          [--no-prefix-caching] [--bound no-fold]
+                                         [--space FILE]
+
+``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
+added): a variant need not be in the shipped space or the table to be timed.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ def main() -> None:
                         help="sweep the key's build without prefix caching")  # fmt: skip
     parser.add_argument("--bound", choices=["no-fold"], help="build every variant as this "
                         "measurement bound (its outputs are wrong)")  # fmt: skip
+    parser.add_argument("--space", default="commit.yaml", help="the commit space to sweep")
     args = parser.parse_args()
     if args.bound:
         render_with(krender.RenderOptions(bound=args.bound))
@@ -77,7 +82,7 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     build = "-noprefix" if args.no_prefix_caching else ""
     key = f"commit-h{args.heads}-q{args.window}{build}-i32"
-    candidates = [v for v in Space.load("commit.yaml").expand().variants
+    candidates = [v for v in Space.load(args.space).expand().variants
                   if v.contract_key == key and name_matches(v.name, args.match or None)]  # fmt: skip
     peer = vllm_commit().fn
     for batch in (int(b) for b in args.batches.split(",")):

@@ -152,10 +152,6 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["beta_slots"] = max(8, variant.window)
         context["couple"] = wide or variant.gate == "softplus"
         context["shifted"] = wide or (variant.tree and variant.gate == "softplus")
-        # The second coupling tile only in warps whose windows leave the range of the bounded
-        # gate's 8 tokens (MAX_LOG_DECAY): softplus chains up to 8 tokens (factors relative to
-        # the middle token), and with WIDE_ON_DEMAND_COUPLING the bounded gate past 8 tokens
-        # (relative to -NEAR_SHIFT).
         on_demand = rebase_on_demand(variant)
         context["rebase_on_demand"] = on_demand
         # One warpgroup with the coupling before the projections: with SOFTPLUS_ONE_TILE the

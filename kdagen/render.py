@@ -94,13 +94,6 @@ class RenderOptions:
             raise ValueError(f"bound {self.bound!r} needs {needs}, not {variant.name}")
 
 
-# The Hopper verify past 8 tokens with the bounded gate writes its second coupling tile only in
-# warps whose windows reach below exp(-MAX_LOG_DECAY) (as the softplus chains of 8 tokens do):
-# off until `kdagen check` has run the renders it changes on a GPU (written when no device time
-# was left to check it); tests/test_compile.py compiles it.
-WIDE_ON_DEMAND_COUPLING = False
-
-
 # The one-warpgroup softplus chains of up to 8 tokens without a second coupling tile: a warp that
 # needs the rebased probes writes them into the state's probe tile, runs its coupling MMAs and
 # writes the state's probes over them (8 KiB less shared memory at Q = 8: 4 CTAs an SM, not 3).
@@ -113,12 +106,12 @@ SOFTPLUS_ONE_TILE = False
 def rebase_on_demand(variant: Variant) -> bool:
     """Whether the Hopper verify ``variant`` writes its second coupling tile only in warps whose
     windows leave the range of the bounded gate's 8 tokens: softplus chains of up to 8 tokens
-    (factors relative to the middle token) and, switched on, the bounded gate past 8 tokens
-    (relative to -NEAR_SHIFT)."""
+    (factors relative to the middle token) and the bounded gate past 8 tokens (relative to
+    -NEAR_SHIFT)."""
     if variant.kernel != "verify" or variant.path != "sm90_wgmma":
         return False
     if variant.window > 8:
-        return WIDE_ON_DEMAND_COUPLING and variant.gate == "kda"
+        return variant.gate == "kda"
     return variant.gate == "softplus" and not variant.tree
 
 

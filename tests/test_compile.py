@@ -274,7 +274,6 @@ def switched_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     krender.render.cache_clear()
 
 
-@pytest.mark.parametrize("switched_on", ["WIDE_ON_DEMAND_COUPLING"], indirect=True)
 @pytest.mark.parametrize(
     "name",
     [
@@ -282,13 +281,10 @@ def switched_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         "verify-h12-q12-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
     ],
 )
-def test_the_bounded_gate_past_8_rebases_on_demand_and_compiles(
-    name: str, tmp_path: Path, switched_on
-) -> None:
-    """Switched on (until a GPU has checked it), the bounded gate past 8 tokens writes its
-    second coupling tile only in a warp whose windows leave the range of 8 tokens: one vote,
-    the tile's stores behind it, and the kernel within the wide verify's stack bound. The
-    softplus gate past 8 keeps its two bands."""
+def test_the_bounded_gate_past_8_rebases_on_demand_and_compiles(name: str, tmp_path: Path) -> None:
+    """The bounded gate past 8 tokens writes its second coupling tile only in a warp whose
+    windows leave the range of 8 tokens: one vote, the tile's stores behind it, and the kernel
+    within the wide verify's stack bound. The softplus gate past 8 keeps its two bands."""
     variant = Variant.parse(name)
     source = krender.render(variant)
     assert "rebased = cute.arch.vote_any_sync(" in source and "if rebased:" in source
@@ -300,10 +296,10 @@ def test_the_bounded_gate_past_8_rebases_on_demand_and_compiles(
     assert record.frame_bytes <= WIDE_FRAME_BYTES
 
 
-def test_only_the_switched_on_kernels_get_the_bounded_edge_case(monkeypatch) -> None:
+def test_only_the_kernels_that_rebase_on_demand_get_the_bounded_edge_case() -> None:
     """The check's `bounded-edge` case (quarters of both kinds in one CTA) goes to every kernel
-    that rebases on demand: softplus chains of up to 8 tokens, and past 8 the bounded gate once
-    switched on; never to trees of up to 8 tokens or the softplus gate past 8."""
+    that rebases on demand: softplus chains of up to 8 tokens and the bounded gate past 8;
+    never to trees of up to 8 tokens or the softplus gate past 8."""
     from kdagen.check_verify import cases_for
 
     def edge(name: str) -> bool:
@@ -313,9 +309,7 @@ def test_only_the_switched_on_kernels_get_the_bounded_edge_case(monkeypatch) -> 
     tree8 = "verify-h16-q8-softplus-tree-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
     wide = "verify-h12-q16-i32-sm90_wgmma-t128-r1-c264-s1-pdl"
     wide_softplus = "verify-h16-q16-softplus-i32-sm90_wgmma-t128-r1-c264-s1-pdl"
-    assert edge(chain8) and not edge(tree8) and not edge(wide) and not edge(wide_softplus)
-    monkeypatch.setattr(krender, "WIDE_ON_DEMAND_COUPLING", True)
-    assert edge(wide) and not edge(wide_softplus)
+    assert edge(chain8) and edge(wide) and not edge(tree8) and not edge(wide_softplus)
 
 
 @pytest.mark.parametrize("switched_on", ["SOFTPLUS_ONE_TILE"], indirect=True)

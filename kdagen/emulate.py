@@ -63,7 +63,7 @@ BF16 = torch.bfloat16
 # floor is the hi/lo split (hi + lo keeps x to ~2^-17), worst with no decay, where the state term
 # S0 p is largest. bf16 probes alone (hi only) measure 3e-4 rel L2, 0.1 max.
 EXPECTED_ERROR: dict[str, float] = {
-    "out_rel_l2": 4e-3,  # measured <= 2.0e-3
+    "out_rel_l2": 3e-3,  # the contract's bound; measured <= 2.0e-3
     "out_max_rel": 8e-3,  # measured <= 3.9e-3 (= 2^-8)
     "corr_rel_l2": 2e-6,  # measured <= 4.5e-7
     "corr_max_rel": 4e-4,  # measured <= 1.1e-4 (near-zero elements, 1% rms floor)

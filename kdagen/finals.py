@@ -4,14 +4,16 @@ Timing one config after another lets drift (clocks, temperature, a neighbour on 
 pass for a difference between configs; interleaving A B C D A B C D ... spreads it over all
 of them. The winner is picked by ``pick_winner``: noise is the larger of 1 % and the fastest's
 round-to-round range; within noise of the fastest, the default config wins if it is there (a
-tuned entry must earn its place), else the simplest config. A stored final is picked again
-from its recorded times when that rule changes (``pick_again``), without re-timing.
+tuned entry must earn its place), else the simplest config; only the study's candidates can
+win (the points ``kdagen check`` verifies, which the run-time keeps its choices inside). A
+stored final is picked again from its recorded times when that rule changes (``pick_again``),
+without re-timing.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +21,17 @@ import optuna
 
 from kdagen.evaluate import CandidateEvaluator
 from kdagen.search import recorded
+from kdagen.serve.dispatch import nearest_point
 from kdagen.serve.variant import Variant
 
 MIN_NOISE_PCT = 1.0  # margins below this never count as a win
 # The version of pick_winner's rule a final was picked under. Rule 1 also counted the second
 # fastest's range as noise, so one slow round of a slower default excused its whole gap (v19's
-# table: H12 Q8 B = 512 kept a default 3.5 % slower by median, and in every round).
-PICK_RULE = 2
+# table: H12 Q8 B = 512 kept a default 3.5 % slower by median, and in every round). Rule 2
+# let a run-time heuristic outside the study's candidates win (int64 keys, checked at one
+# point, picked the heuristic's row split and grid in 30 H200 entries), which the run-time
+# then refused as outside the table's space.
+PICK_RULE = 3
 FINALISTS = 3
 # "Simpler", compared in this order: fewer CTAs per item, a shallower pipeline, a smaller
 # persistent grid, smaller blocks.
@@ -95,12 +101,12 @@ def run_finals(
     batch: int,
     rounds: int,
 ) -> dict[str, Any]:
-    """Re-time the top three and the default together, A B C D A B C D ..., and pick."""
+    """Re-time the top three and the default together, A B C D A B C D ..., and pick.
+    ``known``: the study's candidates by name, ``default`` one of them."""
     scored = recorded(study)
-    best = sorted((o.value, n) for n, o in scored.items() if o.ok)
+    best = sorted((o.value, n) for n, o in scored.items() if o.ok and n in known)
     contenders = [n for _, n in best[:FINALISTS]]
-    default_ok = ev.ready(default) is None  # compiled and checked, even outside the space
-    known = known | {default.name: default}
+    default_ok = ev.ready(default) is None  # compiled and checked
     if default_ok and default.name not in contenders:
         contenders.append(default.name)
     times: dict[str, list[float]] = {n: [] for n in contenders}
@@ -151,15 +157,29 @@ def _picked(pick: Pick, default: str, times: dict[str, list[float]]) -> dict[str
     }
 
 
-def pick_again(final: dict[str, Any]) -> dict[str, Any]:
+def pick_again(final: dict[str, Any], candidates: Collection[str] | None) -> dict[str, Any]:
     """A final picked under an earlier rule, picked again from its stored times (no GPU
-    time); the floor and peers are the contract's, whichever config wins. A final without
-    times (every candidate failed) only takes the rule's number."""
-    times = final.get("times")
-    if not times:
+    time) among the study's ``candidates`` (None: a study stored without their names, every
+    timed config); a stored default outside them gives way to the candidate the run-time
+    would run in its place (``dispatch.nearest_point``). The floor and peers are the
+    contract's, whichever config wins. A final without times (every candidate failed) only
+    takes the rule's number; one whose times are all of configs outside the candidates has
+    no winner."""
+    stored = final.get("times") or {}
+    if not stored:
         return final | {"pick_rule": PICK_RULE}
-    default = final["default"]
+    names = stored if candidates is None else candidates
+    times = {n: ts for n, ts in stored.items() if n in names}
+    if not times:
+        return final | {"pick_rule": PICK_RULE, "winner": None, "pick": "no candidate timed"}
+    default = nearest_point(Variant.parse(final["default"]), names)
     pick = pick_winner(
-        times, default if default in times else None, lambda n: simplicity(Variant.parse(n))
+        times, default.name if default.name in times else None,
+        lambda n: simplicity(Variant.parse(n)),
+    )  # fmt: skip
+    return (
+        final
+        | {"default": default.name, "default_tuning": default.tuning}
+        | _picked(pick, default.name, times)
+        | {"times": stored}
     )
-    return final | _picked(pick, default, times)

@@ -63,7 +63,7 @@ from kdagen.search import (
     recorded,
     replay_efficiency,
 )
-from kdagen.serve.dispatch import generated_root
+from kdagen.serve.dispatch import generated_root, nearest_point
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads, name_matches
 from kdagen.storage import describe, folder_url, open_storage, pack_folder
@@ -426,7 +426,9 @@ def run_study(
         carry_over(study, space, carried[0])
         study.set_user_attr("wall_s", carried[1])
     fail_interrupted(storage, study)
-    default = (default_for or ev.default)(plan.candidates[0], batch)
+    # What the run-time runs for this key untuned: its heuristic, kept inside the space.
+    default = nearest_point((default_for or ev.default)(plan.candidates[0], batch),
+                            space.by_name)  # fmt: skip
     budget = _budget(len(space.candidates), options)
     enqueue(study, space, [default, *plan.candidates] if options.exhaustive else [default])
     started = time.perf_counter()
@@ -598,7 +600,7 @@ def _picked_again(study: optuna.Study) -> dict[str, Any] | None:
     final = study.user_attrs.get("final")
     if not final or final.get("pick_rule") == PICK_RULE:
         return None
-    again = pick_again(final)
+    again = pick_again(final, study.user_attrs.get("candidate_names"))
     return again if again.get("winner") != final.get("winner") else None
 
 
@@ -606,7 +608,8 @@ def _pick_under_current_rule(study: optuna.Study) -> None:
     """A stored final picked under an earlier rule, picked again from its times (no GPU)."""
     final = study.user_attrs.get("final")
     if final and final.get("pick_rule") != PICK_RULE:
-        study.set_user_attr("final", pick_again(final))
+        names = study.user_attrs.get("candidate_names")
+        study.set_user_attr("final", pick_again(final, names))
 
 
 def _seed(seed: int, name: str) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,3 +18,12 @@ HOPPER = [
         reason="needs a Hopper (sm_90) GPU",
     ),
 ]
+
+
+def skip_without_peer(note: str) -> None:
+    """Skip a test whose peer (``.peers``, ``python -m kdagen.peers fetch``) is not here; fail
+    instead where ``$KDAGEN_REQUIRE_PEERS`` is set (scripts/gpu_session.sh sets it), so a GPU
+    run that was meant to compare against the peers cannot pass without them."""
+    if os.environ.get("KDAGEN_REQUIRE_PEERS"):
+        pytest.fail(f"{note} (KDAGEN_REQUIRE_PEERS is set)")
+    pytest.skip(note)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_marks import skip_without_peer
 from typer.testing import CliRunner
 
 from kdagen import bench as kbench
@@ -400,7 +401,7 @@ def test_flashinfer_accepts_the_layout() -> None:
     try:
         fn = peers.import_flashinfer_verify()
     except Exception as err:
-        pytest.skip(f"flashinfer not importable here ({err})")
+        skip_without_peer(f"flashinfer not importable here ({err})")
     variant = Variant(kernel="verify", heads=2, window=4, path="sm100_tcgen05")
     inputs = kbench.verify_inputs(variant, 3, seed=1, device="cpu")
     args = kbench.flashinfer_args(inputs)
@@ -515,7 +516,7 @@ def test_flashinfer_computes_what_we_compute() -> None:
     (out over every token, corr/kg per request; theirs indexed by slot, ours by request)."""
     load = peers.flashinfer_verify()
     if load.fn is None:
-        pytest.skip(load.note)
+        skip_without_peer(load.note)
     variant = _runnable_verify()
     inputs = kbench.verify_inputs(variant, batch=5, seed=3)
     theirs = kbench.flashinfer_args(inputs)

@@ -79,6 +79,21 @@ def test_untuned_buckets_and_keys_are_listed_and_exit_1(generated: Path, tmp_pat
     assert "verify-h12-q8-i32 b100: nearest tuned bucket 64" in out
 
 
+def test_a_winner_outside_the_tables_space_falls_back(generated: Path, workloads: Path) -> None:
+    """The run-time replaces a winner its table's space does not hold (one warpgroup at 2
+    CTAs an SM is not a point of verify_sm90.yaml) with the nearest point: not tuned."""
+    path = generated / H200 / "dispatch.json"
+    table = json.loads(path.read_text())
+    outside = "verify-h12-q8-i32-sm90_wgmma-t128-r1-c264-s1-pdl"
+    entry = next(e for e in table["entries"]["verify-h12-q8-i32"] if e["batch"] == 1)
+    entry["variant"], entry["tuning"]["ctas"] = outside, 264
+    path.write_text(json.dumps(table))
+    code, out = doctor(H200, workloads)
+    assert code == 1, out
+    assert f"verify-h12-q8-i32 b1: a winner outside the table's space ({outside})" in out
+    assert "12 studies of the workloads: 11 tuned, 1 fall back" in out
+
+
 def test_same_architecture_gpu_borrows_the_table(generated: Path, workloads: Path) -> None:
     code, out = doctor(H100, workloads)
     assert code == 1, out

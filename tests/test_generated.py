@@ -43,7 +43,7 @@ def test_table_covers_the_shipped_workloads_with_shipped_variants(folder: Path) 
     table = load_table(folder)
     assert table is not None
     shipped = {v.name for s in SPACES.values() for v in Space.load(s).expand().variants}
-    plans, _ = plan_studies(list(SPACES.values()), "workloads.yaml", "sm_90a", "i32")
+    plans, _ = plan_studies(list(SPACES.values()), "workloads.yaml", "sm_90a")
     assert plans
     for plan in plans:
         rows = {e.batch: e for e in table.entries.get(plan.key, [])}

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gpu_marks import ANY_GPU
+from gpu_marks import ANY_GPU, skip_without_peer
 
 from kdagen import reference
 from kdagen.serve.vllm import KDARecoverSSMCommitContext, kda_recoverssm_verify
@@ -74,7 +74,7 @@ def test_commit_context_matches_vllm(align: bool, dim_first: bool, monkeypatch) 
     monkeypatch.setenv("KDAGEN_VLLM_CONV_DIM_FIRST", "1" if dim_first else "0")
     peer = vllm_commit()
     if peer.fn is None:
-        pytest.skip(peer.note)
+        skip_without_peer(peer.note)
     gen = torch.Generator().manual_seed(SEED)
     heads, window, batch, per = 4, 8, 6, 4
     blocks = 1 + batch * per

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tree import random_paths
+from test_tree import oracle_walk, random_paths
 
 from kdagen import compile as kcompile
-from kdagen import reference, tree
+from kdagen import reference
 from kdagen.cases import CHECK_CASES, along_a_path, make_commit_inputs
 from kdagen.check_verify import cases_for
 from kdagen.render import render
@@ -185,18 +185,26 @@ def test_bad_parents_are_refused(changes: dict, message: str) -> None:
 
 def test_a_path_commit_is_the_chain_commit_of_the_path_records() -> None:
     """``kdagen.commit(path=)`` folds the path's records moved to positions 0.. by the chain
-    kernels: on the fp64 reference, that equals the tree reference's path commit."""
+    kernels: on the fp64 reference, that is the token-by-token recurrence over the accepted
+    path (``test_tree.oracle_walk``, which shares no code with the records' gathering)."""
     f64 = torch.float64
     inp = make_verify_inputs(6, 2, 6, seed=5, tree=True, state_dtype=f64, out_dtype=f64,
                              corr_dtype=f64)  # fmt: skip
     reference.verify(verify_args(inp))  # a tree: the tree reference writes the records
     path, accepted = random_paths(inp, inp["parents"], torch.Generator().manual_seed(5))
     assert (accepted > 1).any() and (path[:, 1:] > torch.arange(1, 6)).any()  # real branches
-    by_tree, by_chain = clone_inputs(inp), clone_inputs(inp)
-    tree.commit_path(commit_args(by_tree, accepted), path)
+    by_chain = clone_inputs(inp)
     reference.commit(path_records(commit_args(by_chain, accepted), path))
-    assert torch.allclose(by_chain["state"], by_tree["state"], rtol=1e-12, atol=1e-12)
-    assert not torch.equal(by_tree["state"], inp["state"])
+    starts = inp["query_start"].tolist()
+    walked = 0
+    for b, slot in enumerate(inp["slots"].tolist()):
+        if slot <= inp["null_slot"] or accepted[b] == 0:
+            continue
+        parents = inp["parents"][starts[b] : starts[b + 1]].tolist()
+        state, _ = oracle_walk(inp, b, parents, path[b, : int(accepted[b])].tolist(), None)
+        torch.testing.assert_close(by_chain["state"][slot], state, rtol=1e-10, atol=1e-12)
+        walked += 1
+    assert walked >= 3
 
 
 def test_a_path_must_be_int32_b_by_q() -> None:

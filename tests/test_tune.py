@@ -187,7 +187,7 @@ def test_a_final_of_an_earlier_rule_is_picked_again_from_its_times() -> None:
         "pick": "default within noise", "times": {names[k]: t for k, t in times.items()},
         "floor_us": 74.9, "peers": {"flashinfer": 97.3},
     }  # fmt: skip
-    final = pick_again(stored)
+    final = pick_again(stored, list(names.values()))
     assert (final["winner"], final["pick"], final["pick_rule"]) == (
         names["a"],
         "fastest",
@@ -197,7 +197,29 @@ def test_a_final_of_an_earlier_rule_is_picked_again_from_its_times() -> None:
     assert final["default_us"] == 82.816 and final["margin_default_pct"] > 3
     assert (final["floor_us"], final["peers"], final["scored"]) == (74.9, {"flashinfer": 97.3}, 10)
     failed = {"scored": 4, "rounds": 3, "winner": None, "pick": "every candidate failed"}
-    assert pick_again(failed) == failed | {"pick_rule": PICK_RULE}
+    assert pick_again(failed, list(names.values())) == failed | {"pick_rule": PICK_RULE}
+
+
+def test_a_default_outside_the_candidates_cannot_win_a_final() -> None:
+    """An int64 key checked at one point: the run-time heuristic (row split 2, 4 CTAs an SM)
+    was timed beside it and won under rule 2, a pick the run-time refuses (outside the
+    table's space). Picked again, the candidate wins, and it is also the study's default: the
+    heuristic's nearest point, which is what the run-time runs untuned."""
+    point = "verify-h12-q1-i64-sm90_wgmma-t128-r1-c396-s1-pdl"
+    heuristic = "verify-h12-q1-i64-sm90_wgmma-t128-r2-c528-s1-pdl"
+    stored = {
+        "scored": 1, "rounds": 3, "default": heuristic, "winner": heuristic, "pick_rule": 2,
+        "pick": "fastest (the default)",
+        "times": {heuristic: [5.1, 5.2, 5.0], point: [5.6, 5.5, 5.7]},
+    }  # fmt: skip
+    final = pick_again(stored, [point])
+    assert (final["winner"], final["pick"], final["default"]) == (
+        point, "fastest (the default)", point,
+    )  # fmt: skip
+    assert final["times"] == stored["times"] and final["runner_up"] is None
+    assert pick_again(stored, None)["winner"] == heuristic  # no names stored: every config
+    only_outside = stored | {"times": {heuristic: [5.1, 5.2, 5.0]}}
+    assert pick_again(only_outside, [point])["winner"] is None
 
 
 def tuned_under_an_earlier_rule(tmp_path: Path, workloads: Path) -> tuple[Path, dict, str]:
@@ -213,6 +235,24 @@ def tuned_under_an_earlier_rule(tmp_path: Path, workloads: Path) -> tuple[Path, 
     study.set_user_attr("final", {k: v for k, v in final.items() if k != "pick_rule"}
                         | {"winner": slow, "pick": "default within noise"})  # fmt: skip
     return folder, final, slow
+
+
+def test_a_heuristic_outside_the_space_gives_way_to_its_nearest_candidate(
+    tmp_path: Path, workloads: Path
+) -> None:
+    """A study's default is what the run-time runs for its key untuned: the heuristic kept
+    inside the space (t128-v4-r1 is not a point of commit.yaml: 32 update chunks a thread), so
+    nothing outside the candidates is timed or picked."""
+    outside = f"{KEY}-bulk-t128-v4-r1-pdl"
+    result = run(options(tmp_path, workloads, simulate={}), lambda s: None,
+                 lambda base, batch: Variant.parse(outside))  # fmt: skip
+    studies = studies_of(result.folder)
+    for study in studies.values():
+        names = study.user_attrs["candidate_names"]
+        assert outside not in names and outside not in scored_names(study)
+        final = study.user_attrs["final"]
+        assert final["default"] == "commit-h12-q1-i32-bulk-t128-v4-r2-pdl"
+        assert final["winner"] in names and set(final["times"]) <= set(names)
 
 
 def test_a_run_after_a_rule_change_picks_again_without_timing(

@@ -28,7 +28,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -322,6 +322,20 @@ def resolve(table: DispatchTable, kernel: str, base: Variant, batch: int) -> Var
     return inside_space(table, kernel, _table_choice(table, kernel, base, batch))
 
 
+def nearest_point(chosen: Variant, points: Collection[str]) -> Variant:
+    """``chosen`` where ``points`` (variant names of its contract key) hold it, else the one
+    of them sharing the most tuning fields with it (ties: the first by name)."""
+    if chosen.name in points:
+        return chosen
+    wanted = chosen.tuning
+
+    def shared(name: str) -> int:
+        tuning = Variant.parse(name).tuning
+        return sum(tuning.get(f) == value for f, value in wanted.items())
+
+    return Variant.parse(min(sorted(points), key=lambda n: -shared(n)))
+
+
 def inside_space(table: DispatchTable, kernel: str, chosen: Variant) -> Variant:
     """``chosen``, or where the table's search space holds other variants of its contract key
     but not it (a per-GPU default or the heuristic applied to an untuned key), the one of
@@ -331,13 +345,7 @@ def inside_space(table: DispatchTable, kernel: str, chosen: Variant) -> Variant:
     points = table.space.get(kernel, {}).get(key)
     if not points or chosen.name in points:
         return chosen
-    wanted = chosen.tuning
-
-    def shared(name: str) -> int:
-        tuning = Variant.parse(name).tuning
-        return sum(tuning.get(f) == value for f, value in wanted.items())
-
-    inside = Variant.parse(min(sorted(points), key=lambda n: -shared(n)))
+    inside = nearest_point(chosen, points)
     _warn_once(
         key, "space",
         f"{key}: {chosen.name} is outside the search space the table was tuned and checked "

@@ -3,6 +3,7 @@ error naming the tensor and what was expected, before anything reaches the DSL."
 
 from __future__ import annotations
 
+import functools
 import inspect
 from types import SimpleNamespace
 from typing import Any
@@ -152,3 +153,89 @@ def test_vllm_033_entry_takes_its_records_object(monkeypatch: pytest.MonkeyPatch
     kda_recoverssm_verify_records(*head, records, *tail)
     assert seen["records_by_slot"] is False  # row b is request b's
     assert seen["args"][9] is x["corr"] and seen["args"][10] is x["kg"]
+
+
+def _vllm_verify_args() -> dict[str, Any]:
+    """Valid arguments of vLLM's ``kda_recoverssm_verify`` by name (CPU tensors; the caches
+    one row per state block)."""
+    x = make_verify_inputs(5, H, Q, seed=1)
+    t, blocks = x["qkv"].shape[0], x["state"].shape[0]
+    qkv = x["qkv"].view(1, t, 3 * H, 128)
+    return dict(
+        q=qkv[:, :, :H], k=qkv[:, :, H : 2 * H], v=qkv[:, :, 2 * H :],
+        raw_g=x["raw_g"].view(1, t, H, 128), raw_beta=x["raw_beta"].view(1, t, H),
+        A_log=x["a_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, checkpoint_state=x["state"],
+        correction_cache=torch.zeros(blocks, H, Q, 128),
+        kg_cache=torch.zeros(blocks, H, Q, 256, dtype=torch.bfloat16),
+        query_start_loc=x["query_start"], state_indices=x["slots"], spec_query_len=Q,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def vllm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
+    """vLLM's entry validating CPU tensors (the sm_100a choice needs no GPU); the launches it
+    would make, recorded."""
+    launches: list = []
+    monkeypatch.setattr(vllm, "validate_verify", functools.partial(
+        validate_verify, require_cuda=False, arch="sm_100a"))  # fmt: skip
+    monkeypatch.setattr(vllm, "launch_verify", lambda launch: launches.append(launch))
+    return launches
+
+
+def test_vllm_entry_on_cpu_passes_valid_arguments(vllm_on_cpu: list) -> None:
+    out = kda_recoverssm_verify(**_vllm_verify_args())
+    assert out.shape == (1, vllm_on_cpu[0].args.q.shape[0], H, 128)
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "message"),
+    [
+        ("state_indices", lambda t: t.float(), "`state_indices` must be int32 or int64"),
+        ("query_start_loc", lambda t: t[:-1], "`query_start_loc` must have shape [6]"),
+        ("checkpoint_state", lambda t: t.float(), "`checkpoint_state` must be bfloat16"),
+        ("correction_cache", lambda t: t[:2], "`correction_cache` must have shape [9, 2, 4, 128]"),
+        ("kg_cache", lambda t: t.float(), "`kg_cache` must be bfloat16"),
+        ("A_log", lambda t: t[:1], "`A_log` must have shape [2], got [1]"),
+        ("dt_bias", lambda t: t.double(), "`dt_bias` must be float32"),
+        ("spec_query_len", lambda n: float(n), "`spec_query_len` must be a Python int, got 4.0"),
+    ],
+)
+def test_vllm_entry_names_vllm_arguments(vllm_on_cpu: list, name: str, bad, message: str) -> None:
+    """Errors name the argument as the caller passed it (vLLM's names), not the run-time's."""
+    args = _vllm_verify_args()
+    with pytest.raises(KdaInputError) as err:
+        kda_recoverssm_verify(**(args | {name: bad(args[name])}))
+    assert message in str(err.value)
+
+
+def test_vllm_033_entry_names_the_records_fields(vllm_on_cpu: list) -> None:
+    args = _vllm_verify_args()
+    corr, kg = args.pop("correction_cache"), args.pop("kg_cache")
+    records = SimpleNamespace(correction=corr, key_gate=kg[..., :128])
+    with pytest.raises(KdaInputError, match=r"`records.key_gate` must have shape"):
+        kda_recoverssm_verify_records(**args, records=records)
+    records = SimpleNamespace(correction=corr[:, :, :2], key_gate=kg)
+    with pytest.raises(KdaInputError, match=r"`records.correction` must have shape \[rows, H, "):
+        kda_recoverssm_verify_records(**args, records=records)
+
+
+@pytest.mark.parametrize("v", [None, 3, [1, 2]])
+def test_vllm_entry_checks_v_before_allocating_out(vllm_on_cpu: list, v: object) -> None:
+    """``out=None`` allocates ``out`` like ``v``: a ``v`` that is no tensor is named first."""
+    with pytest.raises(KdaInputError, match=r"`v` must have shape \[1, T, H, 128\], got"):
+        kda_recoverssm_verify(**(_vllm_verify_args() | {"v": v}))
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "raw_g", "out", "raw_beta"])
+def test_vllm_entry_refuses_other_head_dims(vllm_on_cpu: list, name: str) -> None:
+    """[1, T, 2H, 64] has the bytes of [1, T, H, 128], but not its heads: refused, as is
+    raw_beta other than [1, T, H]."""
+    args = _vllm_verify_args()
+    t = args["q"].shape[1]
+    if name == "raw_beta":
+        bad, message = args["raw_beta"][..., None], r"`raw_beta` must have shape \[1, T, H\]"
+    else:
+        bad = torch.zeros(1, t, 2 * H, 64, dtype=torch.bfloat16)
+        message = rf"`{name}` must have shape \[1, T, H, 128\], got \[1, {t}, 4, 64\]"
+    with pytest.raises(KdaInputError, match=message):
+        kda_recoverssm_verify(**(args | {name: bad}))

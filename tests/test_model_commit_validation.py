@@ -180,3 +180,82 @@ def test_commit_context_refuses_what_it_cannot_serve(monkeypatch) -> None:
         ctx.commit(three, three, torch.arange(4, dtype=torch.int32))
     with pytest.raises(KdaInputError, match="`request_indices` must be 1-D with at least 2"):
         ctx.commit(three, three[:2], three, request_indices=three[:1])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda ls: delattr(ls[1], "gate_lower_bound"), r"missing \['gate_lower_bound'\]"),
+        (lambda ls: delattr(ls[0], "A_log"), r"`layers\[0\]` must have `A_log`"),
+        (lambda ls: setattr(ls[0], "gate_lower_bound", [-5.0]),
+         r"`layers\[0\].gate_lower_bound` must be a Python float, got \[-5.0\]"),
+        (lambda ls: setattr(ls[2], "gate_lower_bound", float("nan")),
+         r"`layers\[2\].gate_lower_bound` must be finite"),
+        (lambda ls: setattr(ls[0], "kv_cache", torch.zeros(4)), "each layer needs `kv_cache`"),
+        (lambda ls: setattr(ls[1], "kv_cache", ls[1].kv_cache[:2] + (
+            ls[1].kv_cache[2].double(), ls[1].kv_cache[3])),
+         r"`layers\[1\].kv_cache\[2\]` must be float32, got float64"),
+        (lambda ls: setattr(ls[2], "A_log", torch.zeros(H + 1)),
+         r"`layers\[2\].A_log` must be float32 with \(2,\) elements"),
+        (lambda ls: setattr(ls[0], "kv_cache", (torch.zeros(SLOTS, Q + 2, 8),) + ls[0].kv_cache[1:]),
+         r"`layers\[0\].kv_cache\[0\]` must be bfloat16"),
+    ],
+)  # fmt: skip
+def test_commit_context_names_the_layer_attribute(monkeypatch, change, message: str) -> None:
+    """A layer without KDA's attributes, an unhashable or NaN bound, or a bad cache tensor
+    gets a KdaInputError naming it as vLLM's layer holds it (no AttributeError/TypeError)."""
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    layers = vllm_layers()
+    change(layers)
+    with pytest.raises(KdaInputError, match=message):
+        KDARecoverSSMCommitContext.create(layers, spec_query_len=Q, max_num_reqs=8,
+                                          conv_state_dim_first=False)  # fmt: skip
+
+
+def test_commit_context_names_missing_records_fields(monkeypatch) -> None:
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    layers = vllm_layers()
+    for layer in layers:
+        conv, state, corr, _ = layer.kv_cache
+        layer.kv_cache, layer.recoverssm_records = (conv, state), SimpleNamespace(correction=corr)
+    with pytest.raises(KdaInputError, match=r"missing \['recoverssm_records.key_gate'\]"):
+        KDARecoverSSMCommitContext.create(layers, spec_query_len=Q, max_num_reqs=8)
+    for layer in layers:
+        layer.recoverssm_records.key_gate = torch.zeros(SLOTS, H, Q, 2 * K)
+    with pytest.raises(KdaInputError,
+                       match=r"`layers\[0\].recoverssm_records.key_gate` must be bfloat16"):  # fmt: skip
+        KDARecoverSSMCommitContext.create(layers, spec_query_len=Q, max_num_reqs=8)
+    with pytest.raises(KdaInputError, match="`layers` must hold at least one KDA layer, got T"):
+        KDARecoverSSMCommitContext.create(torch.zeros(3), spec_query_len=Q, max_num_reqs=8)
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        ({"state_indices": torch.tensor([1.0, 2.0])}, "`state_indices` must be int32 or int64"),
+        ({"state_indices": torch.zeros(2, 1)}, r"`state_indices` must be a 1-D tensor, got \[2, 1\]"),
+        ({"num_accepted_tokens": None}, "`num_accepted_tokens` must be a torch.Tensor"),
+        ({"query_start_loc": torch.zeros(3)}, "`query_start_loc` must be int32"),
+        ({"request_indices": torch.zeros(2)}, "`request_indices` must be int32, got float32"),
+        ({"block_table": torch.zeros(2, 3, dtype=torch.int32)},
+         "`block_table`, `num_computed_tokens` and `mamba_block_size` together"),
+        ({"block_table": torch.zeros(2, 3, dtype=torch.int32),
+          "num_computed_tokens": torch.zeros(2), "mamba_block_size": 16},
+         "`num_computed_tokens` must be int32"),
+        ({"block_table": torch.zeros(2, 3, dtype=torch.int32),
+          "num_computed_tokens": torch.zeros(2, dtype=torch.int32), "mamba_block_size": 16.0},
+         "`mamba_block_size` must be a Python int, got 16.0"),
+    ],
+)  # fmt: skip
+def test_commit_context_step_errors_name_vllm_arguments(monkeypatch, step, message) -> None:
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    ctx = KDARecoverSSMCommitContext.create(vllm_layers(), spec_query_len=Q, max_num_reqs=4,
+                                            conv_state_dim_first=False)  # fmt: skip
+    two = torch.tensor([1, 2], dtype=torch.int32)
+    args = {"num_accepted_tokens": two, "state_indices": two,
+            "query_start_loc": torch.tensor([0, 4, 8], dtype=torch.int32)} | step  # fmt: skip
+    with pytest.raises(KdaInputError, match=message):
+        ctx.commit(**args)

@@ -33,6 +33,24 @@ _VERIFY_NAMES = {
     "kg": "kg_cache", "query_start": "query_start_loc", "slots": "state_indices",
 }  # fmt: skip
 _RECORDS_NAMES = _VERIFY_NAMES | {"corr": "records.correction", "kg": "records.key_gate"}
+_COMMIT_NAMES = {
+    "slots": "state_indices", "accepted": "num_accepted_tokens",
+    "query_start": "query_start_loc", "request_index": "request_indices",
+    "num_computed": "num_computed_tokens", "block_size": "mamba_block_size",
+}  # fmt: skip
+
+
+# ``ModelCommit``'s per-layer lists, as ``create`` takes them from vLLM's layers.
+_LAYER_NAMES = {
+    "states": "layers[{i}].kv_cache[1]", "conv_states": "layers[{i}].kv_cache[0]",
+    "corrs": "layers[{i}].kv_cache[2]", "kgs": "layers[{i}].kv_cache[3]",
+    "a_logs": "layers[{i}].A_log", "dt_biases": "layers[{i}].dt_bias",
+    "state": "kv_cache[1]", "lower_bound": "gate_lower_bound",
+}  # fmt: skip
+_LAYER_RECORDS_NAMES = _LAYER_NAMES | {
+    "corrs": "layers[{i}].recoverssm_records.correction",
+    "kgs": "layers[{i}].recoverssm_records.key_gate",
+}
 
 
 def _rename(text: str, names: Mapping[str, str]) -> str:
@@ -217,14 +235,34 @@ class KDARecoverSSMCommitContext:
         [blocks, len, dim]); by default vLLM's own setting when vLLM is importable, else
         token-major."""
         op = COMMIT_OP
-        if not layers:
-            raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer")
+        if not isinstance(layers, Sequence) or isinstance(layers, str) or not layers:
+            raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer, got "
+                                f"{type(layers).__name__}")  # fmt: skip
         by_request = all(hasattr(layer, "recoverssm_records") for layer in layers)
         need = 2 if by_request else 4
-        if any(len(getattr(layer, "kv_cache", ())) < need for layer in layers):
+        if any(
+            not isinstance(getattr(layer, "kv_cache", ()), Sequence)
+            or len(getattr(layer, "kv_cache", ())) < need
+            for layer in layers
+        ):
             raise KdaInputError(f"{op}: each layer needs `kv_cache` = (conv state, state, "
                                 "correction cache, key/gate cache), or (conv state, state) and "
                                 "`recoverssm_records` (vLLM 0.33)")  # fmt: skip
+        wanted = ("A_log", "dt_bias", "gate_lower_bound")
+        for index, layer in enumerate(layers):
+            missing = [name for name in wanted if not hasattr(layer, name)]
+            if by_request:
+                records = layer.recoverssm_records
+                missing += [f"recoverssm_records.{name}" for name in ("correction", "key_gate")
+                            if not hasattr(records, name)]  # fmt: skip
+            if missing:
+                raise KdaInputError(f"{op}: `layers[{index}]` must have `A_log`, `dt_bias` and "
+                                    "`gate_lower_bound` (and with `recoverssm_records` its "
+                                    f"`correction` and `key_gate`); missing {missing}")  # fmt: skip
+        for index, layer in enumerate(layers):  # None, or Kimi-K3's bound (hashable below)
+            if layer.gate_lower_bound is not None:
+                check_scalar(op, f"layers[{index}].gate_lower_bound", layer.gate_lower_bound,
+                             float, negative=True)  # fmt: skip
         bounds = {layer.gate_lower_bound for layer in layers}
         if len(bounds) != 1:
             raise KdaInputError(f"{op}: every layer needs the same `gate_lower_bound`, got "
@@ -240,12 +278,13 @@ class KDARecoverSSMCommitContext:
             kgs = [layer.recoverssm_records.key_gate for layer in layers]
         else:
             corrs, kgs = [c[2] for c in caches], [c[3] for c in caches]
-        pools = ModelCommit(
-            [c[1] for c in caches], corrs, kgs, [layer.A_log for layer in layers],
-            [layer.dt_bias for layer in layers], lower_bound=lower_bound,
-            null_slot=NULL_BLOCK_ID, records_by_slot=not by_request,
-            conv_states=[c[0] for c in caches], conv_dim_first=conv_state_dim_first, op=op,
-        )  # fmt: skip
+        with _vllm_names(_LAYER_RECORDS_NAMES if by_request else _LAYER_NAMES):
+            pools = ModelCommit(
+                [c[1] for c in caches], corrs, kgs, [layer.A_log for layer in layers],
+                [layer.dt_bias for layer in layers], lower_bound=lower_bound,
+                null_slot=NULL_BLOCK_ID, records_by_slot=not by_request,
+                conv_states=[c[0] for c in caches], conv_dim_first=conv_state_dim_first, op=op,
+            )  # fmt: skip
         if pools.window != spec_query_len:
             raise KdaInputError(f"{op}: the correction caches hold {pools.window} positions, "
                                 f"`spec_query_len` is {spec_query_len}")  # fmt: skip
@@ -269,7 +308,9 @@ class KDARecoverSSMCommitContext:
         that block."""
         op = f"{COMMIT_OP}.commit"
         if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1:
-            raise KdaInputError(f"{op}: `state_indices` must be a 1-D tensor")
+            got = (list(state_indices.shape) if isinstance(state_indices, torch.Tensor)
+                   else type(state_indices).__name__)  # fmt: skip
+            raise KdaInputError(f"{op}: `state_indices` must be a 1-D tensor, got {got}")
         batch = state_indices.shape[0]
         if batch > self.max_num_reqs:
             raise KdaInputError(f"{op}: {batch} requests exceed `max_num_reqs` "
@@ -283,11 +324,12 @@ class KDARecoverSSMCommitContext:
                 raise KdaInputError(f"{op}: `request_indices` must be 1-D with at least "
                                     f"{batch} entries")  # fmt: skip
             request_indices = request_indices[:batch]
-        self.pools.commit(
-            state_indices, num_accepted_tokens, query_start=query_start_loc,
-            request_index=request_indices, block_table=block_table,
-            num_computed=num_computed_tokens, block_size=mamba_block_size or 0,
-        )  # fmt: skip
+        with _vllm_names(_COMMIT_NAMES):
+            self.pools.commit(
+                state_indices, num_accepted_tokens, query_start=query_start_loc,
+                request_index=request_indices, block_table=block_table,
+                num_computed=num_computed_tokens, block_size=mamba_block_size or 0,
+            )  # fmt: skip
 
 
 def _vllm_conv_dim_first() -> bool:

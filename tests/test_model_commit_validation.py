@@ -259,3 +259,60 @@ def test_commit_context_step_errors_name_vllm_arguments(monkeypatch, step, messa
             "query_start_loc": torch.tensor([0, 4, 8], dtype=torch.int32)} | step  # fmt: skip
     with pytest.raises(KdaInputError, match=message):
         ctx.commit(**args)
+
+
+def _states(count: int = LAYERS) -> list[torch.Tensor]:
+    return [torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16) for _ in range(count)]
+
+
+def _shifted_states() -> list[torch.Tensor]:
+    """Two layers' states one slot apart in one pool: slots 1.. of the first are slots ..-1
+    of the second."""
+    pool = torch.zeros(SLOTS + 1, H * K * K, dtype=torch.bfloat16)
+    return [pool[:SLOTS].view(SLOTS, H, K, K), pool[1:].view(SLOTS, H, K, K)]
+
+
+def _convs(count: int = LAYERS) -> list[torch.Tensor]:
+    return [torch.zeros(SLOTS, Q + 2, 3 * H * K, dtype=torch.bfloat16) for _ in range(count)]
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        (
+            {"records_by_slot": True, "corrs": [torch.zeros(2, H, Q, K) for _ in range(LAYERS)],
+             "kgs": [torch.zeros(2, H, Q, 2 * K, dtype=torch.bfloat16) for _ in range(LAYERS)]},
+            r"with `records_by_slot`, `corrs` and `kgs` must have a row per state slot .*"
+            r"rows >= 6, got 2",
+        ),
+        (
+            {"states": _states(2) + [torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16,
+                                                 device="meta")]},
+            r"`states\[2\]` must match `states\[0\]` in shape, strides, dtype and device .* meta",
+        ),
+        ({"states": [_states(1)[0]] * LAYERS}, r"`states\[1\]` must not overlap `states\[0\]`"),
+        ({"states": _states(1) + _shifted_states()}, r"`states\[2\]` must not overlap `states\[1\]`"),
+        ({"conv_states": [_convs(1)[0]] * LAYERS},
+         r"`conv_states\[1\]` must not overlap `conv_states\[0\]`"),
+        (
+            {"conv_states": [torch.zeros(1, Q + 2, 3 * H * K, dtype=torch.bfloat16)
+                             .expand(SLOTS, Q + 2, 3 * H * K) for _ in range(LAYERS)]},
+            r"`conv_states\[0\]` must not overlap itself .* strides \[0, 768, 1\]",
+        ),
+    ],
+)  # fmt: skip
+def test_pools_that_would_commit_wrong_rows_are_refused(changes: dict, pattern: str) -> None:
+    """Records by slot with fewer rows than slots (the kernel would skip those slots), layers
+    on other devices, and state or conv-state memory shared by two layers or by two slots of
+    one layer (writes that race) are refused, naming the tensor."""
+    with pytest.raises(KdaInputError, match=pattern):
+        model(**changes)
+
+
+def test_layers_interleaved_in_one_pool_do_not_overlap() -> None:
+    """Per-layer views of one [slots, layers, H*V*K] pool (a padded slot stride) share no
+    element: accepted, every layer's offset tabled."""
+    pool = torch.zeros(SLOTS, LAYERS, H * K * K, dtype=torch.bfloat16)
+    m = model(states=[pool[:, layer].view(SLOTS, H, K, K) for layer in range(LAYERS)],
+              records_by_slot=True, conv_states=_convs())  # fmt: skip
+    assert m.layer_offsets[:, 0].tolist() == [layer * H * K * K for layer in range(LAYERS)]

@@ -64,6 +64,8 @@ def test_valid_pools_table_every_layer() -> None:
         ({"corrs": [torch.zeros(SLOTS, H, 17, K)] * LAYERS}, r"Q \(1..16\)"),
         ({"a_logs": [torch.zeros(H + 1)] * LAYERS}, r"`a_logs\[0\]` must be float32"),
         ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
+        ({"lower_bound": -1e39}, r"`lower_bound` must be finite \(as float32\)"),
+        ({"null_slot": 2**63}, r"`null_slot` must be below 2\*\*63"),
         (
             {
                 "conv_states": [torch.zeros(SLOTS, Q + 2, 3 * H * K + 8, dtype=torch.bfloat16)]
@@ -109,6 +111,17 @@ def test_misaligned_layer_is_refused() -> None:
                 "block_size": 2,
             },
             r"`block_size` must cover one window \(>= 4\)",
+        ),  # fmt: skip
+        *(
+            (
+                {
+                    "block_table": torch.zeros(2, 3, dtype=torch.int32),
+                    "num_computed": torch.zeros(2, dtype=torch.int32),
+                    "block_size": size,  # the kernel's int32 would wrap it (to -2**31, to 16)
+                },
+                r"`block_size` must be below 2\*\*31 \(the kernels' int32\)",
+            )
+            for size in (2**31, 2**32 + 16)
         ),  # fmt: skip
         (
             {

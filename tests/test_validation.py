@@ -102,6 +102,9 @@ def test_other_device_is_named() -> None:
         ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
         ({"lower_bound": float("-inf")}, "`lower_bound` must be finite"),
         ({"null_slot": 0.5}, "`null_slot` must be a Python int"),
+        # what the kernels' fp32 / int64 arguments cannot hold (-inf, a wrapped null slot)
+        ({"lower_bound": -1e39}, r"`lower_bound` must be finite \(as float32\), got -1e\+39"),
+        ({"null_slot": 2**63}, r"`null_slot` must be below 2\*\*63 \(the kernels' int64\)"),
     ],
 )
 def test_bad_scalars(kwargs, message) -> None:

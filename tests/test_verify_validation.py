@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,6 +54,7 @@ def test_good_conv_inputs_pick_the_conv_contract() -> None:
         (lambda x: {"a_log": x["a_log"][:1]}, "`a_log` must have shape [2]"),
         (lambda x: {"lower_bound": 5.0}, "`lower_bound` must be negative"),
         (lambda x: {"lower_bound": -19.0}, "`lower_bound` x Q must be >= -72"),
+        (lambda x: {"null_slot": 2**64}, "`null_slot` must be below 2**63 (the kernels' int64)"),
         (
             lambda x: {"v": x["qkv"][:, :256].clone()[:, :256:1].t().contiguous().t()},
             "`v` must have contiguous rows and the row stride of `q`",
@@ -62,7 +64,7 @@ def test_good_conv_inputs_pick_the_conv_contract() -> None:
 )
 def test_bad_inputs_name_the_tensor(change, message: str) -> None:
     inputs = _inputs()
-    with pytest.raises(KdaInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(KdaInputError, match=re.escape(message)):
         _validate(inputs, **change(inputs))
 
 

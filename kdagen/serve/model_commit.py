@@ -197,7 +197,7 @@ class ModelCommit:
         corrs, kgs = _list(op, "corrs", corrs, layers), _list(op, "kgs", kgs, layers)
         self.window, self.records = _check_records(op, corrs, kgs, self.heads, self.device)
         self.gate = gate_of(op, lower_bound)
-        check_scalar(op, "null_slot", null_slot, int)
+        check_scalar(op, "null_slot", null_slot, int, bits=64)
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.null_slot = int(null_slot)
         self.records_by_slot = bool(records_by_slot)
@@ -380,7 +380,7 @@ class ModelCommit:
         if not all(given):
             raise KdaInputError(f"{op}: prefix caching needs `block_table`, `num_computed` and "
                                 f"`block_size` together; got only {given}")  # fmt: skip
-        check_scalar(op, "block_size", block_size, int)
+        check_scalar(op, "block_size", block_size, int, bits=32)
         if block_size < self.window:
             raise KdaInputError(f"{op}: `block_size` must cover one window (>= {self.window}), "
                                 f"got {block_size}")  # fmt: skip

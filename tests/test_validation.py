@@ -117,3 +117,9 @@ def test_explicit_variant_must_fit_the_tensors() -> None:
         _validate(_inputs(), variant="commit-h2-q8-i32-bulk-t128-v8-r1-pdl")
     launch = _validate(_inputs(), variant="commit-h2-q4-i32-bulk-t256-v8-r2-pdl")
     assert launch.variant.threads == 256
+
+
+@pytest.mark.parametrize("variant", [123, object(), {"threads": 256}])
+def test_a_variant_of_another_type_is_named(variant: object) -> None:
+    with pytest.raises(KdaInputError, match="`variant` must be a Variant, its name or None, got"):
+        _validate(_inputs(), variant=variant)

@@ -110,6 +110,12 @@ def test_an_explicit_variant_must_fit_the_inputs() -> None:
         _validate(_inputs(), VARIANT.replace(conv=True))
 
 
+@pytest.mark.parametrize("variant", [123, object()])
+def test_a_variant_of_another_type_is_named(variant: object) -> None:
+    with pytest.raises(KdaInputError, match="`variant` must be a Variant, its name or None"):
+        _validate(_inputs(), variant)  # type: ignore[arg-type]
+
+
 def test_lower_bound_none_selects_the_softplus_gate() -> None:
     softplus = VARIANT.replace(gate="softplus")
     assert _validate(_inputs(), softplus, lower_bound=None).variant == softplus

@@ -259,6 +259,9 @@ def _resolve_variant(
     ``fields``: the other contract fields the inputs fix (gate, conv settings)."""
     if variant is None:
         return _dispatched(kernel, heads, window, slot_dtype, batch, device, arch, **fields)
+    if not isinstance(variant, (Variant, str)):
+        raise KdaInputError(f"kdagen.{kernel}: `variant` must be a Variant, its name or None, "
+                            f"got {type(variant).__name__}")  # fmt: skip
     chosen = Variant.parse(variant) if isinstance(variant, str) else variant
     expected = {"kernel": kernel, "heads": heads, "window": window, "slot_dtype": slot_dtype}
     expected |= fields

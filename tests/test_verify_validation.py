@@ -110,6 +110,13 @@ def test_an_explicit_variant_must_fit_the_inputs() -> None:
         _validate(_inputs(), VARIANT.replace(conv=True))
 
 
+def test_a_variant_choice_for_cpu_tensors_asks_for_an_arch() -> None:
+    """Without ``variant`` or ``arch`` the variant is the GPU's: CPU tensors (the
+    ``require_cuda=False`` checks) get a KdaInputError, not torch's no-CUDA assertion."""
+    with pytest.raises(KdaInputError, match="choosing a variant needs `state` on a CUDA device"):
+        validate_verify(verify_args(_inputs()), require_cuda=False)
+
+
 @pytest.mark.parametrize("variant", [123, object()])
 def test_a_variant_of_another_type_is_named(variant: object) -> None:
     with pytest.raises(KdaInputError, match="`variant` must be a Variant, its name or None"):

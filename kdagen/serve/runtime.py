@@ -348,6 +348,9 @@ def validate_verify(
                            records_by_slot=records_by_slot)  # fmt: skip
     device = args.state.device
     if variant is None and arch is None:
+        if device.type != "cuda":
+            raise KdaInputError(f"{op}: choosing a variant needs `state` on a CUDA device (or "
+                                f"`arch=` / `variant=`), got {device}")  # fmt: skip
         arch = device_arch(device)
     chosen = _resolve_variant(variant, "verify", batch=checked.batch, device=device, arch=arch,
                               **checked.fields)  # fmt: skip

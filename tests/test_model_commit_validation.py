@@ -64,6 +64,8 @@ def test_valid_pools_table_every_layer() -> None:
         ({"corrs": [torch.zeros(SLOTS, H, 17, K)] * LAYERS}, r"Q \(1..16\)"),
         ({"a_logs": [torch.zeros(H + 1)] * LAYERS}, r"`a_logs\[0\]` must be float32"),
         ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
+        ({"lower_bound": -1e39}, r"`lower_bound` must be finite \(as float32\)"),
+        ({"null_slot": 2**63}, r"`null_slot` must be below 2\*\*63"),
         (
             {
                 "conv_states": [torch.zeros(SLOTS, Q + 2, 3 * H * K + 8, dtype=torch.bfloat16)]
@@ -109,6 +111,17 @@ def test_misaligned_layer_is_refused() -> None:
                 "block_size": 2,
             },
             r"`block_size` must cover one window \(>= 4\)",
+        ),  # fmt: skip
+        *(
+            (
+                {
+                    "block_table": torch.zeros(2, 3, dtype=torch.int32),
+                    "num_computed": torch.zeros(2, dtype=torch.int32),
+                    "block_size": size,  # the kernel's int32 would wrap it (to -2**31, to 16)
+                },
+                r"`block_size` must be below 2\*\*31 \(the kernels' int32\)",
+            )
+            for size in (2**31, 2**32 + 16)
         ),  # fmt: skip
         (
             {
@@ -180,3 +193,139 @@ def test_commit_context_refuses_what_it_cannot_serve(monkeypatch) -> None:
         ctx.commit(three, three, torch.arange(4, dtype=torch.int32))
     with pytest.raises(KdaInputError, match="`request_indices` must be 1-D with at least 2"):
         ctx.commit(three, three[:2], three, request_indices=three[:1])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda ls: delattr(ls[1], "gate_lower_bound"), r"missing \['gate_lower_bound'\]"),
+        (lambda ls: delattr(ls[0], "A_log"), r"`layers\[0\]` must have `A_log`"),
+        (lambda ls: setattr(ls[0], "gate_lower_bound", [-5.0]),
+         r"`layers\[0\].gate_lower_bound` must be a Python float, got \[-5.0\]"),
+        (lambda ls: setattr(ls[2], "gate_lower_bound", float("nan")),
+         r"`layers\[2\].gate_lower_bound` must be finite"),
+        (lambda ls: setattr(ls[0], "kv_cache", torch.zeros(4)), "each layer needs `kv_cache`"),
+        (lambda ls: setattr(ls[1], "kv_cache", ls[1].kv_cache[:2] + (
+            ls[1].kv_cache[2].double(), ls[1].kv_cache[3])),
+         r"`layers\[1\].kv_cache\[2\]` must be float32, got float64"),
+        (lambda ls: setattr(ls[2], "A_log", torch.zeros(H + 1)),
+         r"`layers\[2\].A_log` must be float32 with \(2,\) elements"),
+        (lambda ls: setattr(ls[0], "kv_cache", (torch.zeros(SLOTS, Q + 2, 8),) + ls[0].kv_cache[1:]),
+         r"`layers\[0\].kv_cache\[0\]` must be bfloat16"),
+    ],
+)  # fmt: skip
+def test_commit_context_names_the_layer_attribute(monkeypatch, change, message: str) -> None:
+    """A layer without KDA's attributes, an unhashable or NaN bound, or a bad cache tensor
+    gets a KdaInputError naming it as vLLM's layer holds it (no AttributeError/TypeError)."""
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    layers = vllm_layers()
+    change(layers)
+    with pytest.raises(KdaInputError, match=message):
+        KDARecoverSSMCommitContext.create(layers, spec_query_len=Q, max_num_reqs=8,
+                                          conv_state_dim_first=False)  # fmt: skip
+
+
+def test_commit_context_names_missing_records_fields(monkeypatch) -> None:
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    layers = vllm_layers()
+    for layer in layers:
+        conv, state, corr, _ = layer.kv_cache
+        layer.kv_cache, layer.recoverssm_records = (conv, state), SimpleNamespace(correction=corr)
+    with pytest.raises(KdaInputError, match=r"missing \['recoverssm_records.key_gate'\]"):
+        KDARecoverSSMCommitContext.create(layers, spec_query_len=Q, max_num_reqs=8)
+    for layer in layers:
+        layer.recoverssm_records.key_gate = torch.zeros(SLOTS, H, Q, 2 * K)
+    with pytest.raises(KdaInputError,
+                       match=r"`layers\[0\].recoverssm_records.key_gate` must be bfloat16"):  # fmt: skip
+        KDARecoverSSMCommitContext.create(layers, spec_query_len=Q, max_num_reqs=8)
+    with pytest.raises(KdaInputError, match="`layers` must hold at least one KDA layer, got T"):
+        KDARecoverSSMCommitContext.create(torch.zeros(3), spec_query_len=Q, max_num_reqs=8)
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        ({"state_indices": torch.tensor([1.0, 2.0])}, "`state_indices` must be int32 or int64"),
+        ({"state_indices": torch.zeros(2, 1)}, r"`state_indices` must be a 1-D tensor, got \[2, 1\]"),
+        ({"num_accepted_tokens": None}, "`num_accepted_tokens` must be a torch.Tensor"),
+        ({"query_start_loc": torch.zeros(3)}, "`query_start_loc` must be int32"),
+        ({"request_indices": torch.zeros(2)}, "`request_indices` must be int32, got float32"),
+        ({"block_table": torch.zeros(2, 3, dtype=torch.int32)},
+         "`block_table`, `num_computed_tokens` and `mamba_block_size` together"),
+        ({"block_table": torch.zeros(2, 3, dtype=torch.int32),
+          "num_computed_tokens": torch.zeros(2), "mamba_block_size": 16},
+         "`num_computed_tokens` must be int32"),
+        ({"block_table": torch.zeros(2, 3, dtype=torch.int32),
+          "num_computed_tokens": torch.zeros(2, dtype=torch.int32), "mamba_block_size": 16.0},
+         "`mamba_block_size` must be a Python int, got 16.0"),
+    ],
+)  # fmt: skip
+def test_commit_context_step_errors_name_vllm_arguments(monkeypatch, step, message) -> None:
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    ctx = KDARecoverSSMCommitContext.create(vllm_layers(), spec_query_len=Q, max_num_reqs=4,
+                                            conv_state_dim_first=False)  # fmt: skip
+    two = torch.tensor([1, 2], dtype=torch.int32)
+    args = {"num_accepted_tokens": two, "state_indices": two,
+            "query_start_loc": torch.tensor([0, 4, 8], dtype=torch.int32)} | step  # fmt: skip
+    with pytest.raises(KdaInputError, match=message):
+        ctx.commit(**args)
+
+
+def _states(count: int = LAYERS) -> list[torch.Tensor]:
+    return [torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16) for _ in range(count)]
+
+
+def _shifted_states() -> list[torch.Tensor]:
+    """Two layers' states one slot apart in one pool: slots 1.. of the first are slots ..-1
+    of the second."""
+    pool = torch.zeros(SLOTS + 1, H * K * K, dtype=torch.bfloat16)
+    return [pool[:SLOTS].view(SLOTS, H, K, K), pool[1:].view(SLOTS, H, K, K)]
+
+
+def _convs(count: int = LAYERS) -> list[torch.Tensor]:
+    return [torch.zeros(SLOTS, Q + 2, 3 * H * K, dtype=torch.bfloat16) for _ in range(count)]
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        (
+            {"records_by_slot": True, "corrs": [torch.zeros(2, H, Q, K) for _ in range(LAYERS)],
+             "kgs": [torch.zeros(2, H, Q, 2 * K, dtype=torch.bfloat16) for _ in range(LAYERS)]},
+            r"with `records_by_slot`, `corrs` and `kgs` must have a row per state slot .*"
+            r"rows >= 6, got 2",
+        ),
+        (
+            {"states": _states(2) + [torch.zeros(SLOTS, H, K, K, dtype=torch.bfloat16,
+                                                 device="meta")]},
+            r"`states\[2\]` must match `states\[0\]` in shape, strides, dtype and device .* meta",
+        ),
+        ({"states": [_states(1)[0]] * LAYERS}, r"`states\[1\]` must not overlap `states\[0\]`"),
+        ({"states": _states(1) + _shifted_states()}, r"`states\[2\]` must not overlap `states\[1\]`"),
+        ({"conv_states": [_convs(1)[0]] * LAYERS},
+         r"`conv_states\[1\]` must not overlap `conv_states\[0\]`"),
+        (
+            {"conv_states": [torch.zeros(1, Q + 2, 3 * H * K, dtype=torch.bfloat16)
+                             .expand(SLOTS, Q + 2, 3 * H * K) for _ in range(LAYERS)]},
+            r"`conv_states\[0\]` must not overlap itself .* strides \[0, 768, 1\]",
+        ),
+    ],
+)  # fmt: skip
+def test_pools_that_would_commit_wrong_rows_are_refused(changes: dict, pattern: str) -> None:
+    """Records by slot with fewer rows than slots (the kernel would skip those slots), layers
+    on other devices, and state or conv-state memory shared by two layers or by two slots of
+    one layer (writes that race) are refused, naming the tensor."""
+    with pytest.raises(KdaInputError, match=pattern):
+        model(**changes)
+
+
+def test_layers_interleaved_in_one_pool_do_not_overlap() -> None:
+    """Per-layer views of one [slots, layers, H*V*K] pool (a padded slot stride) share no
+    element: accepted, every layer's offset tabled."""
+    pool = torch.zeros(SLOTS, LAYERS, H * K * K, dtype=torch.bfloat16)
+    m = model(states=[pool[:, layer].view(SLOTS, H, K, K) for layer in range(LAYERS)],
+              records_by_slot=True, conv_states=_convs())  # fmt: skip
+    assert m.layer_offsets[:, 0].tolist() == [layer * H * K * K for layer in range(LAYERS)]

@@ -102,6 +102,9 @@ def test_other_device_is_named() -> None:
         ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
         ({"lower_bound": float("-inf")}, "`lower_bound` must be finite"),
         ({"null_slot": 0.5}, "`null_slot` must be a Python int"),
+        # what the kernels' fp32 / int64 arguments cannot hold (-inf, a wrapped null slot)
+        ({"lower_bound": -1e39}, r"`lower_bound` must be finite \(as float32\), got -1e\+39"),
+        ({"null_slot": 2**63}, r"`null_slot` must be below 2\*\*63 \(the kernels' int64\)"),
     ],
 )
 def test_bad_scalars(kwargs, message) -> None:
@@ -114,3 +117,9 @@ def test_explicit_variant_must_fit_the_tensors() -> None:
         _validate(_inputs(), variant="commit-h2-q8-i32-bulk-t128-v8-r1-pdl")
     launch = _validate(_inputs(), variant="commit-h2-q4-i32-bulk-t256-v8-r2-pdl")
     assert launch.variant.threads == 256
+
+
+@pytest.mark.parametrize("variant", [123, object(), {"threads": 256}])
+def test_a_variant_of_another_type_is_named(variant: object) -> None:
+    with pytest.raises(KdaInputError, match="`variant` must be a Variant, its name or None, got"):
+        _validate(_inputs(), variant=variant)

@@ -3,7 +3,9 @@ error naming the tensor and what was expected, before anything reaches the DSL."
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,6 +54,7 @@ def test_good_conv_inputs_pick_the_conv_contract() -> None:
         (lambda x: {"a_log": x["a_log"][:1]}, "`a_log` must have shape [2]"),
         (lambda x: {"lower_bound": 5.0}, "`lower_bound` must be negative"),
         (lambda x: {"lower_bound": -19.0}, "`lower_bound` x Q must be >= -72"),
+        (lambda x: {"null_slot": 2**64}, "`null_slot` must be below 2**63 (the kernels' int64)"),
         (
             lambda x: {"v": x["qkv"][:, :256].clone()[:, :256:1].t().contiguous().t()},
             "`v` must have contiguous rows and the row stride of `q`",
@@ -61,7 +64,7 @@ def test_good_conv_inputs_pick_the_conv_contract() -> None:
 )
 def test_bad_inputs_name_the_tensor(change, message: str) -> None:
     inputs = _inputs()
-    with pytest.raises(KdaInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(KdaInputError, match=re.escape(message)):
         _validate(inputs, **change(inputs))
 
 
@@ -105,6 +108,19 @@ def test_an_explicit_variant_must_fit_the_inputs() -> None:
         _validate(_inputs(), VARIANT.replace(window=8))
     with pytest.raises(KdaInputError, match="conv: variant has True, tensors need False"):
         _validate(_inputs(), VARIANT.replace(conv=True))
+
+
+def test_a_variant_choice_for_cpu_tensors_asks_for_an_arch() -> None:
+    """Without ``variant`` or ``arch`` the variant is the GPU's: CPU tensors (the
+    ``require_cuda=False`` checks) get a KdaInputError, not torch's no-CUDA assertion."""
+    with pytest.raises(KdaInputError, match="choosing a variant needs `state` on a CUDA device"):
+        validate_verify(verify_args(_inputs()), require_cuda=False)
+
+
+@pytest.mark.parametrize("variant", [123, object()])
+def test_a_variant_of_another_type_is_named(variant: object) -> None:
+    with pytest.raises(KdaInputError, match="`variant` must be a Variant, its name or None"):
+        _validate(_inputs(), variant)  # type: ignore[arg-type]
 
 
 def test_lower_bound_none_selects_the_softplus_gate() -> None:
@@ -152,3 +168,89 @@ def test_vllm_033_entry_takes_its_records_object(monkeypatch: pytest.MonkeyPatch
     kda_recoverssm_verify_records(*head, records, *tail)
     assert seen["records_by_slot"] is False  # row b is request b's
     assert seen["args"][9] is x["corr"] and seen["args"][10] is x["kg"]
+
+
+def _vllm_verify_args() -> dict[str, Any]:
+    """Valid arguments of vLLM's ``kda_recoverssm_verify`` by name (CPU tensors; the caches
+    one row per state block)."""
+    x = make_verify_inputs(5, H, Q, seed=1)
+    t, blocks = x["qkv"].shape[0], x["state"].shape[0]
+    qkv = x["qkv"].view(1, t, 3 * H, 128)
+    return dict(
+        q=qkv[:, :, :H], k=qkv[:, :, H : 2 * H], v=qkv[:, :, 2 * H :],
+        raw_g=x["raw_g"].view(1, t, H, 128), raw_beta=x["raw_beta"].view(1, t, H),
+        A_log=x["a_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, checkpoint_state=x["state"],
+        correction_cache=torch.zeros(blocks, H, Q, 128),
+        kg_cache=torch.zeros(blocks, H, Q, 256, dtype=torch.bfloat16),
+        query_start_loc=x["query_start"], state_indices=x["slots"], spec_query_len=Q,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def vllm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
+    """vLLM's entry validating CPU tensors (the sm_100a choice needs no GPU); the launches it
+    would make, recorded."""
+    launches: list = []
+    monkeypatch.setattr(vllm, "validate_verify", functools.partial(
+        validate_verify, require_cuda=False, arch="sm_100a"))  # fmt: skip
+    monkeypatch.setattr(vllm, "launch_verify", lambda launch: launches.append(launch))
+    return launches
+
+
+def test_vllm_entry_on_cpu_passes_valid_arguments(vllm_on_cpu: list) -> None:
+    out = kda_recoverssm_verify(**_vllm_verify_args())
+    assert out.shape == (1, vllm_on_cpu[0].args.q.shape[0], H, 128)
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "message"),
+    [
+        ("state_indices", lambda t: t.float(), "`state_indices` must be int32 or int64"),
+        ("query_start_loc", lambda t: t[:-1], "`query_start_loc` must have shape [6]"),
+        ("checkpoint_state", lambda t: t.float(), "`checkpoint_state` must be bfloat16"),
+        ("correction_cache", lambda t: t[:2], "`correction_cache` must have shape [9, 2, 4, 128]"),
+        ("kg_cache", lambda t: t.float(), "`kg_cache` must be bfloat16"),
+        ("A_log", lambda t: t[:1], "`A_log` must have shape [2], got [1]"),
+        ("dt_bias", lambda t: t.double(), "`dt_bias` must be float32"),
+        ("spec_query_len", lambda n: float(n), "`spec_query_len` must be a Python int, got 4.0"),
+    ],
+)
+def test_vllm_entry_names_vllm_arguments(vllm_on_cpu: list, name: str, bad, message: str) -> None:
+    """Errors name the argument as the caller passed it (vLLM's names), not the run-time's."""
+    args = _vllm_verify_args()
+    with pytest.raises(KdaInputError) as err:
+        kda_recoverssm_verify(**(args | {name: bad(args[name])}))
+    assert message in str(err.value)
+
+
+def test_vllm_033_entry_names_the_records_fields(vllm_on_cpu: list) -> None:
+    args = _vllm_verify_args()
+    corr, kg = args.pop("correction_cache"), args.pop("kg_cache")
+    records = SimpleNamespace(correction=corr, key_gate=kg[..., :128])
+    with pytest.raises(KdaInputError, match=r"`records.key_gate` must have shape"):
+        kda_recoverssm_verify_records(**args, records=records)
+    records = SimpleNamespace(correction=corr[:, :, :2], key_gate=kg)
+    with pytest.raises(KdaInputError, match=r"`records.correction` must have shape \[rows, H, "):
+        kda_recoverssm_verify_records(**args, records=records)
+
+
+@pytest.mark.parametrize("v", [None, 3, [1, 2]])
+def test_vllm_entry_checks_v_before_allocating_out(vllm_on_cpu: list, v: object) -> None:
+    """``out=None`` allocates ``out`` like ``v``: a ``v`` that is no tensor is named first."""
+    with pytest.raises(KdaInputError, match=r"`v` must have shape \[1, T, H, 128\], got"):
+        kda_recoverssm_verify(**(_vllm_verify_args() | {"v": v}))
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "raw_g", "out", "raw_beta"])
+def test_vllm_entry_refuses_other_head_dims(vllm_on_cpu: list, name: str) -> None:
+    """[1, T, 2H, 64] has the bytes of [1, T, H, 128], but not its heads: refused, as is
+    raw_beta other than [1, T, H]."""
+    args = _vllm_verify_args()
+    t = args["q"].shape[1]
+    if name == "raw_beta":
+        bad, message = args["raw_beta"][..., None], r"`raw_beta` must have shape \[1, T, H\]"
+    else:
+        bad = torch.zeros(1, t, 2 * H, 64, dtype=torch.bfloat16)
+        message = rf"`{name}` must have shape \[1, T, H, 128\], got \[1, {t}, 4, 64\]"
+    with pytest.raises(KdaInputError, match=message):
+        kda_recoverssm_verify(**(args | {name: bad}))

@@ -176,7 +176,7 @@ def check_commit(
                  dtypes=[torch.bfloat16], device=device, align=16)  # fmt: skip
     _check_gate_params(op, args.a_log, args.dt_bias, heads, device)
     gate = gate_of(op, args.lower_bound)
-    check_scalar(op, "null_slot", args.null_slot, int)
+    check_scalar(op, "null_slot", args.null_slot, int, bits=64)
     fields = {"heads": heads, "window": window, "slot_dtype": _dtype_name(args.slots.dtype),
               "gate": gate}  # fmt: skip
     return Checked(fields, batch)
@@ -277,7 +277,7 @@ def check_verify(
                  dtypes=results or [torch.bfloat16], device=device, align=16)  # fmt: skip
     _check_gate_params(op, args.a_log, args.dt_bias, heads, device)
     gate = gate_of(op, args.lower_bound, window)
-    check_scalar(op, "null_slot", args.null_slot, int)
+    check_scalar(op, "null_slot", args.null_slot, int, bits=64)
     conv = _check_conv(op, args, heads=heads, window=window, batch=batch, device=device)
     fields = {"heads": heads, "window": window, "slot_dtype": _dtype_name(args.slots.dtype),
               "gate": gate, **conv}  # fmt: skip

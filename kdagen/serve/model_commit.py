@@ -45,18 +45,26 @@ def _list(op: str, name: str, values: object, count: int | None = None) -> list:
     return list(values)
 
 
-def _offsets(op: str, name: str, tensors: list[torch.Tensor], align: int) -> list[int]:
+def _offsets(
+    op: str, name: str, tensors: list[torch.Tensor], align: int, written: bool = False
+) -> list[int]:
     """Elements from layer 0's tensor to each layer's; every tensor shares layer 0's
-    strides and keeps its ``align``-byte alignment."""
+    device, strides and dtype and keeps its ``align``-byte alignment; ``written`` tensors
+    (the kernel writes every layer's at once) share no element with another layer's."""
     first = tensors[0]
     size = first.element_size()
     out = []
     for layer, t in enumerate(tensors):
-        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
+        if (
+            t.shape != first.shape
+            or t.stride() != first.stride()
+            or t.dtype != first.dtype
+            or t.device != first.device
+        ):
             raise KdaInputError(
-                f"{op}: `{name}[{layer}]` must match `{name}[0]` in shape, strides and dtype "
-                f"({list(first.shape)}, {list(first.stride())}, {first.dtype}), got "
-                f"{list(t.shape)}, {list(t.stride())}, {t.dtype}"
+                f"{op}: `{name}[{layer}]` must match `{name}[0]` in shape, strides, dtype and "
+                f"device ({list(first.shape)}, {list(first.stride())}, {first.dtype}, "
+                f"{first.device}), got {list(t.shape)}, {list(t.stride())}, {t.dtype}, {t.device}"
             )
         delta = t.data_ptr() - first.data_ptr()
         if t.data_ptr() % align or delta % size:
@@ -65,7 +73,42 @@ def _offsets(op: str, name: str, tensors: list[torch.Tensor], align: int) -> lis
                 f"{t.data_ptr():#x}"
             )
         out.append(delta // size)
+    if written:
+        dims = sorted((s, n) for s, n in zip(first.stride(), first.shape, strict=True) if n > 1)
+        for later in range(1, len(out)):
+            for earlier in range(later):
+                if first.numel() and _meets(out[later] - out[earlier], dims):
+                    raise KdaInputError(
+                        f"{op}: `{name}[{later}]` must not overlap `{name}[{earlier}]` (every "
+                        f"layer's own memory), got addresses {tensors[later].data_ptr():#x} "
+                        f"and {tensors[earlier].data_ptr():#x} with strides {list(first.stride())}"
+                    )
     return out
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: its dims of size > 1, by stride, must
+    each step past the whole span of the smaller ones."""
+    span = 1
+    for stride, n in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride < span:
+            return True
+        span = stride * n
+    return False
+
+
+def _meets(delta: int, dims: list[tuple[int, int]]) -> bool:
+    """Whether a tensor whose (stride, size) ``dims`` (ascending, each stride past the span of
+    the smaller ones) shares an element with itself moved by ``delta`` elements: ``delta`` is
+    a sum of ``step x stride`` with ``|step| < size``, and past the smaller dims' span only
+    the two nearest steps of the largest can reach it."""
+    if not dims:
+        return delta == 0
+    stride, size = dims[-1]
+    return any(
+        abs(step) < size and _meets(delta - step * stride, dims[:-1])
+        for step in {delta // stride, -(-delta // stride)}
+    )
 
 
 def _check_records(
@@ -154,22 +197,27 @@ class ModelCommit:
         corrs, kgs = _list(op, "corrs", corrs, layers), _list(op, "kgs", kgs, layers)
         self.window, self.records = _check_records(op, corrs, kgs, self.heads, self.device)
         self.gate = gate_of(op, lower_bound)
-        check_scalar(op, "null_slot", null_slot, int)
+        check_scalar(op, "null_slot", null_slot, int, bits=64)
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.null_slot = int(null_slot)
         self.records_by_slot = bool(records_by_slot)
+        if self.records_by_slot and self.records.rows < first.shape[0]:
+            raise KdaInputError(
+                f"{op}: with `records_by_slot`, `corrs` and `kgs` must have a row per state slot "
+                f"(slot s reads row s): rows >= {first.shape[0]}, got {self.records.rows}"
+            )
         self.a_log = _stack(op, "a_logs", _list(op, "a_logs", a_logs, layers), (self.heads,),
                             self.device)  # fmt: skip
         self.dt_bias = _stack(op, "dt_biases", _list(op, "dt_biases", dt_biases, layers),
                               (self.heads, K), self.device)  # fmt: skip
         columns = [
-            _offsets(op, "states", states, 16),
+            _offsets(op, "states", states, 16, written=True),
             _offsets(op, "corrs", corrs, 16),
             _offsets(op, "kgs", kgs, 16),
         ]
         self.conv_states = self._conv_views(conv_states, conv_dim_first, layers, first.shape[0])
-        columns.append(_offsets(op, "conv_states", self.conv_states, 2) if self.conv_states
-                       else [0] * layers)  # fmt: skip
+        columns.append(_offsets(op, "conv_states", self.conv_states, 2, written=True)
+                       if self.conv_states else [0] * layers)  # fmt: skip
         self.layer_offsets = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64,
                                           device=self.device)  # fmt: skip
         self.states, self.corrs, self.kgs = states, corrs, kgs
@@ -204,6 +252,10 @@ class ModelCommit:
             dims = [slot_count, channels, tokens] if dim_first else [slot_count, tokens, channels]
             check_tensor(self.op, name, t, dims=dims, dtypes=[torch.bfloat16], device=self.device,
                          contiguous=False)  # fmt: skip
+            if _overlaps_itself(t):
+                raise KdaInputError(f"{self.op}: `{name}` must not overlap itself (each slot, "
+                                    f"channel and token its own element), got strides "
+                                    f"{list(t.stride())} for shape {list(t.shape)}")  # fmt: skip
             views.append(t if dim_first else t.transpose(1, 2))
         return views
 
@@ -328,7 +380,7 @@ class ModelCommit:
         if not all(given):
             raise KdaInputError(f"{op}: prefix caching needs `block_table`, `num_computed` and "
                                 f"`block_size` together; got only {given}")  # fmt: skip
-        check_scalar(op, "block_size", block_size, int)
+        check_scalar(op, "block_size", block_size, int, bits=32)
         if block_size < self.window:
             raise KdaInputError(f"{op}: `block_size` must cover one window (>= {self.window}), "
                                 f"got {block_size}")  # fmt: skip

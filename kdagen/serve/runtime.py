@@ -259,6 +259,9 @@ def _resolve_variant(
     ``fields``: the other contract fields the inputs fix (gate, conv settings)."""
     if variant is None:
         return _dispatched(kernel, heads, window, slot_dtype, batch, device, arch, **fields)
+    if not isinstance(variant, (Variant, str)):
+        raise KdaInputError(f"kdagen.{kernel}: `variant` must be a Variant, its name or None, "
+                            f"got {type(variant).__name__}")  # fmt: skip
     chosen = Variant.parse(variant) if isinstance(variant, str) else variant
     expected = {"kernel": kernel, "heads": heads, "window": window, "slot_dtype": slot_dtype}
     expected |= fields
@@ -345,6 +348,9 @@ def validate_verify(
                            records_by_slot=records_by_slot)  # fmt: skip
     device = args.state.device
     if variant is None and arch is None:
+        if device.type != "cuda":
+            raise KdaInputError(f"{op}: choosing a variant needs `state` on a CUDA device (or "
+                                f"`arch=` / `variant=`), got {device}")  # fmt: skip
         arch = device_arch(device)
     chosen = _resolve_variant(variant, "verify", batch=checked.batch, device=device, arch=arch,
                               **checked.fields)  # fmt: skip
@@ -401,8 +407,10 @@ def verify(
     slots [B] int32/int64 (``<= null_slot``, negative or outside the pool: padding), out [T, H*128] bf16,
     corr [rows>=B, H, Q, 128] fp32, kg [rows, H, Q, 256] bf16. With conv: conv_state
     [slots, Q+2, 3*H*128] (or [slots, 3*H*128, Q+2] with ``conv_dim_first``) bf16, rolled in
-    place; conv_w [3*H*128, 4] bf16 or fp32; accepted [B] int32. Window lengths must be
-    <= Q and live slots unique (not checked: that would synchronise). ``lower_bound``:
+    place; conv_w [3*H*128, 4] bf16 or fp32; accepted [B] int32 (1..Q). Window lengths must
+    be <= Q, ``query_start`` nondecreasing inside [0, T] (``out`` is written at rows
+    ``query_start[b]..query_start[b+1]-1``, padding requests' included) and live slots unique
+    (not checked: that would synchronise). ``lower_bound``:
     Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate. ``parents`` [T] int32:
     each window is a token tree, token t's parent at window position ``parents[t]`` (-1:
     the root; docs/tree-semantics.md), conv off or on.

@@ -89,10 +89,20 @@ def check_state(
     return state
 
 
-def check_scalar(op: str, name: str, value: object, kind: type, negative: bool = False) -> None:
+FLOAT32_MAX = 3.4028234663852886e38  # the kernels take float scalars as fp32
+
+
+def check_scalar(
+    op: str, name: str, value: object, kind: type, negative: bool = False, bits: int = 0
+) -> None:
+    """A Python int or float (``kind``); a float finite as the kernels' fp32, ``negative``
+    when asked; an int the kernels take as a ``bits``-bit integer below ``2**(bits - 1)``."""
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise KdaInputError(f"{op}: `{name}` must be a Python {kind.__name__}, got {value!r}")
-    if kind is float and not math.isfinite(value):
-        raise KdaInputError(f"{op}: `{name}` must be finite, got {value!r}")
+    if kind is float and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise KdaInputError(f"{op}: `{name}` must be finite (as float32), got {value!r}")
+    if bits and value >= 2 ** (bits - 1):
+        raise KdaInputError(f"{op}: `{name}` must be below 2**{bits - 1} (the kernels' "
+                            f"int{bits}), got {value!r}")  # fmt: skip
     if negative and not value < 0:
         raise KdaInputError(f"{op}: `{name}` must be negative (Kimi-K3 uses -5.0), got {value!r}")

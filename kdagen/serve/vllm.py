@@ -9,7 +9,9 @@ verify takes one records object instead, rows per request: ``kda_recoverssm_veri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,21 +24,76 @@ from .validate import KdaInputError, check_scalar
 OP = "kdagen.serve.vllm.kda_recoverssm_verify"
 COMMIT_OP = "kdagen.serve.vllm.KDARecoverSSMCommitContext"
 NULL_BLOCK_ID = 0  # vLLM's padding block
+K = 128
+
+# vLLM's names of the arguments kdagen's checks name by the run-time's (``VerifyArgs``,
+# ``ModelCommit.commit``), so an error names what the caller passed.
+_VERIFY_NAMES = {
+    "a_log": "A_log", "state": "checkpoint_state", "corr": "correction_cache",
+    "kg": "kg_cache", "query_start": "query_start_loc", "slots": "state_indices",
+}  # fmt: skip
+_RECORDS_NAMES = _VERIFY_NAMES | {"corr": "records.correction", "kg": "records.key_gate"}
+_COMMIT_NAMES = {
+    "slots": "state_indices", "accepted": "num_accepted_tokens",
+    "query_start": "query_start_loc", "request_index": "request_indices",
+    "num_computed": "num_computed_tokens", "block_size": "mamba_block_size",
+}  # fmt: skip
 
 
-def _tokens_view(name: str, t: object, heads: int | None = None) -> torch.Tensor:
-    """[1, T, H, 128] (or [1, T, H]) -> [T, H*128] (or [T, H]) without a copy."""
-    if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or t.shape[0] != 1:
-        shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise KdaInputError(f"{OP}: `{name}` must have shape [1, T, H, 128] or [1, T, H], "
-                            f"got {shape}")  # fmt: skip
+# ``ModelCommit``'s per-layer lists, as ``create`` takes them from vLLM's layers.
+_LAYER_NAMES = {
+    "states": "layers[{i}].kv_cache[1]", "conv_states": "layers[{i}].kv_cache[0]",
+    "corrs": "layers[{i}].kv_cache[2]", "kgs": "layers[{i}].kv_cache[3]",
+    "a_logs": "layers[{i}].A_log", "dt_biases": "layers[{i}].dt_bias",
+    "state": "kv_cache[1]", "lower_bound": "gate_lower_bound",
+}  # fmt: skip
+_LAYER_RECORDS_NAMES = _LAYER_NAMES | {
+    "corrs": "layers[{i}].recoverssm_records.correction",
+    "kgs": "layers[{i}].recoverssm_records.key_gate",
+}
+
+
+def _rename(text: str, names: Mapping[str, str]) -> str:
+    """``text`` with each backquoted run-time name (``name`` or ``name[i]``) in ``names``
+    replaced by vLLM's (a format string of ``i`` for the indexed ones)."""
+
+    def one(m: re.Match[str]) -> str:
+        if m[1] not in names or (m[2] is None) != ("{i}" not in names[m[1]]):
+            return m[0]
+        return f"`{names[m[1]].format(i=m[2])}`"
+
+    return re.sub(r"`(\w+)(?:\[(\d+)\])?`", one, text)
+
+
+@contextmanager
+def _vllm_names(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raises a ``KdaInputError`` with the run-time's names of the arguments replaced by
+    vLLM's (``_rename``)."""
+    try:
+        yield
+    except KdaInputError as err:
+        raise KdaInputError(_rename(str(err), names)) from None
+
+
+def _tokens_view(name: str, t: object, width: int | None = K) -> torch.Tensor:
+    """[1, T, H, 128] -> [T, H*128] (``width`` 128), or [1, T, H] -> [T, H] (``width`` None),
+    without a copy."""
+    shape = f"[1, T, H, {width}]" if width else "[1, T, H]"
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dim() != (4 if width else 3)
+        or t.shape[0] != 1
+        or (width and t.shape[3] != width)
+    ):
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise KdaInputError(f"{OP}: `{name}` must have shape {shape}, got {got}")
     flat = t[0]
-    if flat.dim() == 2:
+    if not width:
         return flat
-    if flat.stride(1) != flat.shape[2] or flat.stride(2) != 1:
+    if (flat.shape[1] > 1 and flat.stride(1) != width) or flat.stride(2) != 1:
         raise KdaInputError(f"{OP}: `{name}` heads must be contiguous (strides [.., "
-                            f"{flat.shape[2]}, 1]), got {list(t.stride())}")  # fmt: skip
-    return flat.as_strided((flat.shape[0], flat.shape[1] * flat.shape[2]), (flat.stride(0), 1))
+                            f"{width}, 1]), got {list(t.stride())}")  # fmt: skip
+    return flat.as_strided((flat.shape[0], flat.shape[1] * width), (flat.stride(0), 1))
 
 
 def kda_recoverssm_verify(
@@ -119,6 +176,11 @@ def verify_records(
     """``kda_recoverssm_verify`` with the records in row ``state_indices[b]``
     (``records_by_slot``, vLLM's caches per state block) or in row b (vLLM 0.33's
     ``KDARecoverSSMRecords``, rows per request of the step)."""
+    names = _VERIFY_NAMES if records_by_slot else _RECORDS_NAMES
+    check_scalar(OP, "spec_query_len", spec_query_len, int)
+    flat = {name: _tokens_view(name, t) for name, t in (("q", q), ("k", k), ("v", v),
+                                                        ("raw_g", raw_g))}  # fmt: skip
+    flat_beta = _tokens_view("raw_beta", raw_beta, None)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if (
@@ -127,18 +189,19 @@ def verify_records(
         or (correction.shape[2] != spec_query_len)
     ):
         shape = list(correction.shape) if isinstance(correction, torch.Tensor) else None
-        raise KdaInputError(f"{OP}: `correction_cache` must have shape [rows, H, "
+        raise KdaInputError(f"{OP}: `{names['corr']}` must have shape [rows, H, "
                             f"spec_query_len={spec_query_len}, 128], got {shape}")  # fmt: skip
     flat_out = _tokens_view("out", out)
     if flat_out.stride(0) != flat_out.shape[1]:
         raise KdaInputError(f"{OP}: `out` must be contiguous, got strides {list(out.stride())}")
     args = VerifyArgs(
-        _tokens_view("q", q), _tokens_view("k", k), _tokens_view("v", v),
-        _tokens_view("raw_g", raw_g), _tokens_view("raw_beta", raw_beta), A_log, dt_bias,
+        flat["q"], flat["k"], flat["v"], flat["raw_g"], flat_beta, A_log, dt_bias,
         checkpoint_state, query_start_loc, state_indices, flat_out, correction, key_gate,
         lower_bound, NULL_BLOCK_ID,
     )  # fmt: skip
-    launch_verify(validate_verify(args, records_by_slot=records_by_slot, op=OP))
+    with _vllm_names(names):
+        launch = validate_verify(args, records_by_slot=records_by_slot, op=OP)
+    launch_verify(launch)
     return out
 
 
@@ -172,14 +235,34 @@ class KDARecoverSSMCommitContext:
         [blocks, len, dim]); by default vLLM's own setting when vLLM is importable, else
         token-major."""
         op = COMMIT_OP
-        if not layers:
-            raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer")
+        if not isinstance(layers, Sequence) or isinstance(layers, str) or not layers:
+            raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer, got "
+                                f"{type(layers).__name__}")  # fmt: skip
         by_request = all(hasattr(layer, "recoverssm_records") for layer in layers)
         need = 2 if by_request else 4
-        if any(len(getattr(layer, "kv_cache", ())) < need for layer in layers):
+        if any(
+            not isinstance(getattr(layer, "kv_cache", ()), Sequence)
+            or len(getattr(layer, "kv_cache", ())) < need
+            for layer in layers
+        ):
             raise KdaInputError(f"{op}: each layer needs `kv_cache` = (conv state, state, "
                                 "correction cache, key/gate cache), or (conv state, state) and "
                                 "`recoverssm_records` (vLLM 0.33)")  # fmt: skip
+        wanted = ("A_log", "dt_bias", "gate_lower_bound")
+        for index, layer in enumerate(layers):
+            missing = [name for name in wanted if not hasattr(layer, name)]
+            if by_request:
+                records = layer.recoverssm_records
+                missing += [f"recoverssm_records.{name}" for name in ("correction", "key_gate")
+                            if not hasattr(records, name)]  # fmt: skip
+            if missing:
+                raise KdaInputError(f"{op}: `layers[{index}]` must have `A_log`, `dt_bias` and "
+                                    "`gate_lower_bound` (and with `recoverssm_records` its "
+                                    f"`correction` and `key_gate`); missing {missing}")  # fmt: skip
+        for index, layer in enumerate(layers):  # None, or Kimi-K3's bound (hashable below)
+            if layer.gate_lower_bound is not None:
+                check_scalar(op, f"layers[{index}].gate_lower_bound", layer.gate_lower_bound,
+                             float, negative=True)  # fmt: skip
         bounds = {layer.gate_lower_bound for layer in layers}
         if len(bounds) != 1:
             raise KdaInputError(f"{op}: every layer needs the same `gate_lower_bound`, got "
@@ -195,12 +278,13 @@ class KDARecoverSSMCommitContext:
             kgs = [layer.recoverssm_records.key_gate for layer in layers]
         else:
             corrs, kgs = [c[2] for c in caches], [c[3] for c in caches]
-        pools = ModelCommit(
-            [c[1] for c in caches], corrs, kgs, [layer.A_log for layer in layers],
-            [layer.dt_bias for layer in layers], lower_bound=lower_bound,
-            null_slot=NULL_BLOCK_ID, records_by_slot=not by_request,
-            conv_states=[c[0] for c in caches], conv_dim_first=conv_state_dim_first, op=op,
-        )  # fmt: skip
+        with _vllm_names(_LAYER_RECORDS_NAMES if by_request else _LAYER_NAMES):
+            pools = ModelCommit(
+                [c[1] for c in caches], corrs, kgs, [layer.A_log for layer in layers],
+                [layer.dt_bias for layer in layers], lower_bound=lower_bound,
+                null_slot=NULL_BLOCK_ID, records_by_slot=not by_request,
+                conv_states=[c[0] for c in caches], conv_dim_first=conv_state_dim_first, op=op,
+            )  # fmt: skip
         if pools.window != spec_query_len:
             raise KdaInputError(f"{op}: the correction caches hold {pools.window} positions, "
                                 f"`spec_query_len` is {spec_query_len}")  # fmt: skip
@@ -224,7 +308,9 @@ class KDARecoverSSMCommitContext:
         that block."""
         op = f"{COMMIT_OP}.commit"
         if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1:
-            raise KdaInputError(f"{op}: `state_indices` must be a 1-D tensor")
+            got = (list(state_indices.shape) if isinstance(state_indices, torch.Tensor)
+                   else type(state_indices).__name__)  # fmt: skip
+            raise KdaInputError(f"{op}: `state_indices` must be a 1-D tensor, got {got}")
         batch = state_indices.shape[0]
         if batch > self.max_num_reqs:
             raise KdaInputError(f"{op}: {batch} requests exceed `max_num_reqs` "
@@ -238,11 +324,12 @@ class KDARecoverSSMCommitContext:
                 raise KdaInputError(f"{op}: `request_indices` must be 1-D with at least "
                                     f"{batch} entries")  # fmt: skip
             request_indices = request_indices[:batch]
-        self.pools.commit(
-            state_indices, num_accepted_tokens, query_start=query_start_loc,
-            request_index=request_indices, block_table=block_table,
-            num_computed=num_computed_tokens, block_size=mamba_block_size or 0,
-        )  # fmt: skip
+        with _vllm_names(_COMMIT_NAMES):
+            self.pools.commit(
+                state_indices, num_accepted_tokens, query_start=query_start_loc,
+                request_index=request_indices, block_table=block_table,
+                num_computed=num_computed_tokens, block_size=mamba_block_size or 0,
+            )  # fmt: skip
 
 
 def _vllm_conv_dim_first() -> bool:

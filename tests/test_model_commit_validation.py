@@ -242,6 +242,11 @@ def test_commit_context_names_missing_records_fields(monkeypatch) -> None:
         KDARecoverSSMCommitContext.create(layers, spec_query_len=Q, max_num_reqs=8)
     with pytest.raises(KdaInputError, match="`layers` must hold at least one KDA layer, got T"):
         KDARecoverSSMCommitContext.create(torch.zeros(3), spec_query_len=Q, max_num_reqs=8)
+    with pytest.raises(KdaInputError, match="`layers` must hold at least one KDA layer, got none"):
+        KDARecoverSSMCommitContext.create(iter(()), spec_query_len=Q, max_num_reqs=8)
+    # Any collection vLLM's create takes: the error past the layers' own check shows it got in.
+    with pytest.raises(KdaInputError, match=r"`layers\[0\].recoverssm_records.key_gate` must"):
+        KDARecoverSSMCommitContext.create(tuple(layers), spec_query_len=Q, max_num_reqs=8)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ verify takes one records object instead, rows per request: ``kda_recoverssm_veri
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -235,9 +235,13 @@ class KDARecoverSSMCommitContext:
         [blocks, len, dim]); by default vLLM's own setting when vLLM is importable, else
         token-major."""
         op = COMMIT_OP
-        if not isinstance(layers, Sequence) or isinstance(layers, str) or not layers:
+        # Any collection of layers vLLM's own create takes (a list, a tuple, a ModuleList).
+        if isinstance(layers, (str, bytes, torch.Tensor)) or not isinstance(layers, Iterable):
             raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer, got "
                                 f"{type(layers).__name__}")  # fmt: skip
+        layers = list(layers)
+        if not layers:
+            raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer, got none")
         by_request = all(hasattr(layer, "recoverssm_records") for layer in layers)
         need = 2 if by_request else 4
         if any(

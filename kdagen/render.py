@@ -50,12 +50,35 @@ def _sm90(variant: Variant) -> bool:
     return variant.kernel == "verify" and variant.path == "sm90_wgmma"
 
 
+def three_ctas_wide(variant: Variant) -> bool:
+    """Whether the Hopper verify ``variant`` is a bounded-gate chain past 8 tokens built for
+    three CTAs an SM (its grid bound 3 x 132, one warpgroup, whole items, conv off): one probe
+    tile (a warp that rebases its couplings writes their probes there, runs its coupling MMAs
+    and writes the state's probes over them) and the coupling partials in the bytes of the
+    warps' w rows, so 70 KiB of shared memory at Q = 16 instead of 94; at the 168 registers
+    ptxas then allows, the look-ahead window holds a channel pair to a register
+    (``kdagen.dsl.paired_window``). Not in a shipped space until the H200 has checked and
+    timed it."""
+    return (
+        variant.kernel == "verify"
+        and variant.path == "sm90_wgmma"
+        and variant.window > 8
+        and variant.gate == "kda"
+        and not (variant.tree or variant.conv)
+        and variant.threads == 128
+        and variant.row_split == 1
+        and variant.ctas == 3 * 132
+    )
+
+
 # Measurement bounds (RenderOptions.bound): builds with wrong outputs that time one part of
 # the kernel alone; each with the variants its template expresses it for.
 BOUNDS: dict[str, tuple[Callable[[Variant], bool], str]] = {
     # every unit's loads and, for a live unit, its stores (of the input registers): no math
-    "loads-stores-only": (lambda v: _sm90(v) and v.threads == 128 and v.row_split == 1,
-                          "an sm90_wgmma verify, one warpgroup, r1"),
+    "loads-stores-only": (
+        lambda v: _sm90(v) and v.threads == 128 and v.row_split == 1 and not three_ctas_wide(v),
+        "an sm90_wgmma verify, one warpgroup, r1, its window a register per value",
+    ),
     # every unit reads and writes request 0's rows, which stay in L2: (almost) no HBM traffic
     "l2-resident": (lambda v: _sm90(v) and v.row_split == 1, "an sm90_wgmma verify, r1"),
     # the math without the stores of kg, out and corr (behind a test that never holds)
@@ -148,8 +171,11 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         on_demand = rebase_on_demand(variant)
         context["rebase_on_demand"] = on_demand
         # One warpgroup with the coupling before the projections: with SOFTPLUS_ONE_TILE the
-        # softplus chains' rebased probes go into the state's probe tile and are written over.
-        context["one_tile"] = (
+        # softplus chains' rebased probes go into the state's probe tile and are written over,
+        # as the three-CTA wide chains' do.
+        three_ctas = three_ctas_wide(variant)
+        context["three_ctas"] = three_ctas
+        context["one_tile"] = three_ctas or (
             SOFTPLUS_ONE_TILE and on_demand and not wide and variant.threads == 128
         )
         context["couple_tile"] = context["couple"] and not context["one_tile"]

@@ -341,6 +341,31 @@ def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
     assert "s_couple" in krender.render(Variant.parse(two))
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q16-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
+        "verify-h96-q13-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
+    ],
+)
+def test_the_wide_bounded_chain_fits_three_ctas_an_sm(name: str, tmp_path: Path) -> None:
+    """Not yet in a shipped space (no GPU has checked or timed it): at a grid bound of 3 x 132
+    the bounded-gate chain past 8 tokens drops its second coupling tile and its partials'
+    buffer and holds its look-ahead window a channel pair to a register, so three CTAs fit an
+    SM's shared memory and registers with at most 32 stack bytes. Its 2-CTA twin keeps the
+    shipped form."""
+    variant = Variant.parse(name)
+    source = krender.render(variant)
+    assert krender.three_ctas_wide(variant) and "if rebased:" in source
+    assert "s_couple" not in source and "load_window_pairs(" in source
+    record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
+    assert record.ok, record.error
+    assert 3 * 128 * record.registers <= 65536 and 3 * (record.smem_bytes + 1024) <= 232448
+    assert record.frame_bytes <= 32
+    twin = variant.replace(ctas=264)
+    assert not krender.three_ctas_wide(twin) and "s_couple" in krender.render(twin)
+
+
 def test_the_general_commit_folds_its_boundary_state_on_one_path(tmp_path: Path) -> None:
     """Not yet in a shipped space (no GPU has timed it): the commit with prefix caching and 8
     update paths unrolls only its final fold per count (the boundary state folds on one path),

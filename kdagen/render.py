@@ -51,8 +51,9 @@ def _sm90(variant: Variant) -> bool:
 
 
 def three_ctas_wide(variant: Variant) -> bool:
-    """Whether the Hopper verify ``variant`` is a bounded-gate chain past 8 tokens built for
-    three CTAs an SM (its grid bound 3 x 132, one warpgroup, whole items, conv off): one probe
+    """Whether the Hopper verify ``variant`` is a bounded-gate chain or tree past 8 tokens
+    built for three CTAs an SM (its grid bound 3 x 132, one warpgroup, whole items, conv off):
+    one probe
     tile (a warp that rebases its couplings writes their probes there, runs its coupling MMAs
     and writes the state's probes over them) and the coupling partials in the bytes of the
     warps' w rows, so 70 KiB of shared memory at Q = 16 instead of 94; at the 168 registers
@@ -64,7 +65,7 @@ def three_ctas_wide(variant: Variant) -> bool:
         and variant.path == "sm90_wgmma"
         and variant.window > 8
         and variant.gate == "kda"
-        and not (variant.tree or variant.conv)
+        and not variant.conv
         and variant.threads == 128
         and variant.row_split == 1
         and variant.ctas == 3 * 132

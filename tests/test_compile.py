@@ -346,14 +346,15 @@ def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
     [
         "verify-h12-q16-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
         "verify-h96-q13-i64-sm90_wgmma-t128-r1-c396-s1-pdl",
+        "verify-h12-q16-tree-i32-sm90_wgmma-t128-r1-c396-s1-pdl",
     ],
 )
-def test_the_wide_bounded_chain_fits_three_ctas_an_sm(name: str, tmp_path: Path) -> None:
+def test_the_wide_bounded_gate_fits_three_ctas_an_sm(name: str, tmp_path: Path) -> None:
     """Not yet in a shipped space (no GPU has checked or timed it): at a grid bound of 3 x 132
-    the bounded-gate chain past 8 tokens drops its second coupling tile and its partials'
-    buffer and holds its look-ahead window a channel pair to a register, so three CTAs fit an
-    SM's shared memory and registers with at most 32 stack bytes. Its 2-CTA twin keeps the
-    shipped form."""
+    the bounded-gate chains and trees past 8 tokens drop their second coupling tile and their
+    partials' buffer and hold the look-ahead window a channel pair to a register, so three
+    CTAs fit an SM's shared memory and registers with at most 32 stack bytes. The 2-CTA twin
+    keeps the shipped form."""
     variant = Variant.parse(name)
     source = krender.render(variant)
     assert krender.three_ctas_wide(variant) and "if rebased:" in source

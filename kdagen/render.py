@@ -52,14 +52,13 @@ def _sm90(variant: Variant) -> bool:
 
 def three_ctas_wide(variant: Variant) -> bool:
     """Whether the Hopper verify ``variant`` is a bounded-gate chain or tree past 8 tokens
-    built for three CTAs an SM (its grid bound 3 x 132, one warpgroup, whole items, conv off):
-    one probe
-    tile (a warp that rebases its couplings writes their probes there, runs its coupling MMAs
-    and writes the state's probes over them) and the coupling partials in the bytes of the
-    warps' w rows, so 70 KiB of shared memory at Q = 16 instead of 94; at the 168 registers
-    ptxas then allows, the look-ahead window holds a channel pair to a register
-    (``kdagen.dsl.paired_window``). Not in a shipped space until the H200 has checked and
-    timed it."""
+    built for three CTAs an SM (its grid bound 3 x 132, one warpgroup, whole items, one state
+    buffer, conv off): one probe tile (a warp that rebases its couplings writes their probes
+    there, runs its coupling MMAs and writes the state's probes over them) and the coupling
+    partials after the warps' w rows in the projections' buffer, so 70 KiB of shared memory at
+    Q = 16 instead of 94; at the 168 registers ptxas then allows, the look-ahead window holds
+    a channel pair to a register (``kdagen.dsl.paired_window``). Not in a shipped space until
+    the H200 has checked and timed it."""
     return (
         variant.kernel == "verify"
         and variant.path == "sm90_wgmma"
@@ -68,6 +67,7 @@ def three_ctas_wide(variant: Variant) -> bool:
         and not variant.conv
         and variant.threads == 128
         and variant.row_split == 1
+        and variant.stages == 1
         and variant.ctas == 3 * 132
     )
 

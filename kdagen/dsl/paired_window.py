@@ -22,9 +22,10 @@ K = 128  # head dim (V = K)
 
 @cute.jit
 def load_word(address: Int64) -> Uint32:
-    """One 32-bit word from global memory through the read-only path."""
+    """One 32-bit word from global memory (a coherent load, as the window's 16-bit ones are:
+    the previous launch may have written it just before this one's griddepcontrol.wait)."""
     return cute.arch.inline_ptx(
-        "ld.global.nc.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[address]
+        "ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[address]
     )
 
 
@@ -37,15 +38,16 @@ def store_word(address: Int64, word: Uint32):
 @cute.jit
 def load_window_pairs(
     acts: tuple, raw_g: cute.Tensor, bos: Int32, qlen: Int32, head: Int32, c: Int32,
-    pairs: cute.Tensor,
+    pairs: cute.Tensor, window: cutlass.Constexpr[int],
 ):  # fmt: skip
     """Channel pair (c & ~1, c | 1) of q, k, v and g of token 2 j + c % 2 into ``pairs[x, j]``
-    (x: q, k, v, g; the lower channel in the low half); tokens past qlen repeat the last one
-    (in bounds, unused)."""
+    (x: q, k, v, g; the lower channel in the low half); tokens past the window's last (qlen
+    and Q, the odd window's extra slot included) repeat it (in bounds, unused)."""
     parity = c % 2
     col = head * K + c - parity
+    last = cutlass.min(qlen, Int32(window)) - 1
     for j in cutlass.range_constexpr(pairs.shape[1]):
-        row = bos + cutlass.min(2 * j + parity, qlen - 1)
+        row = bos + cutlass.min(2 * j + parity, last)
         for x in cutlass.range_constexpr(3):
             pairs[x, j] = load_word(at(acts[x], row, col))
         pairs[3, j] = load_word(at(raw_g, row, col))
@@ -86,13 +88,15 @@ def unpack_window(pairs: cute.Tensor, x: cutlass.Constexpr[int], c: Int32, windo
 
 @cute.jit
 def store_kg_pairs(
-    kg: cute.Tensor, record: Int32, head: Int32, pairs: cute.Tensor, qlen: Int32, c: Int32
+    kg: cute.Tensor, record: Int32, head: Int32, pairs: cute.Tensor, qlen: Int32, c: Int32,
+    window: cutlass.Constexpr[int],
 ):  # fmt: skip
-    """kg's raw k and raw g of the window's tokens, each word (a channel pair) by the lane
-    that loaded it."""
+    """kg's raw k and raw g of the window's tokens (below qlen and Q), each word (a channel
+    pair) by the lane that loaded it."""
     parity = c % 2
+    tokens = cutlass.min(qlen, Int32(window))
     for j in cutlass.range_constexpr(pairs.shape[1]):
         t = 2 * j + parity
-        if t < qlen:
+        if t < tokens:
             store_word(at(kg, record, head, t, c - parity), pairs[1, j])
             store_word(at(kg, record, head, t, K + c - parity), pairs[3, j])

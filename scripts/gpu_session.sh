@@ -23,7 +23,8 @@
 # shipped space), COMPILE_MATCH (only variants whose name contains it, or one of a,b,...),
 # PYTEST_FILES (default: tests),
 # CHECK_SHARDS (processes, 4), CHECK_MATCH (check only variants whose name contains it, or one
-# of a,b,...),
+# of a,b,...; CHECK_MATCH_<TAG> for one check step: VERIFY, COMMIT, COMMIT_TREE, TREE,
+# TREE_CONV, WIDE),
 # CHECK_RESUME (a folder of earlier check JSONs: skip what passed there at the same render),
 # CHECK_TUNED (non-empty: also skip what the tuner checked in generated/'s fresh studies, e.g.
 # after this call's tune step),
@@ -49,10 +50,11 @@ step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$out/$name.log" 2>&1; l
 # CHECK_SHARDS (4) check processes: each spends most of its time building inputs and the fp64 reference
 # on the host, so they overlap on the one GPU.
 sharded_check() { local space=$1 tag=$2 n=${CHECK_SHARDS:-4} pids=() i resume=()
+  local own="CHECK_MATCH_${tag^^}"; local match=${!own:-${CHECK_MATCH:-}}  # e.g. CHECK_MATCH_WIDE
   for f in "${CHECK_RESUME:-/nonexistent}"/*.json; do [[ -f $f ]] && resume+=(--resume "$f"); done
   if [[ -n ${CHECK_TUNED:-} ]]; then for d in generated/nvidia-*/; do resume+=(--resume "$d"); done; fi
   for ((i = 0; i < n; i++)); do
-    kdagen check --space "$space" ${CHECK_MATCH:+--match "$CHECK_MATCH"} "${resume[@]}" --shard "$i/$n" --json "$out/check_${tag}_$i.json" \
+    kdagen check --space "$space" ${match:+--match "$match"} "${resume[@]}" --shard "$i/$n" --json "$out/check_${tag}_$i.json" \
       >"$out/check_${tag}_$i.log" 2>&1 & pids+=($!); done
   local rc=0; for i in "${pids[@]}"; do wait "$i" || rc=1; done
   grep -h "^FAIL\|passed, " "$out"/check_"${tag}"_*.log; worst "$out"/check_"${tag}"_*.json; return $rc; }

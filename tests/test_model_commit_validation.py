@@ -66,6 +66,8 @@ def test_valid_pools_table_every_layer() -> None:
         ({"lower_bound": 5.0}, "`lower_bound` must be negative"),
         ({"lower_bound": -1e39}, r"`lower_bound` must be finite \(as float32\)"),
         ({"null_slot": 2**63}, r"`null_slot` must be below 2\*\*63"),
+        ({"records_by_slot": "x"}, "`records_by_slot` must be a Python bool, got 'x'"),
+        ({"conv_dim_first": 1}, "`conv_dim_first` must be a Python bool, got 1"),
         (
             {
                 "conv_states": [torch.zeros(SLOTS, Q + 2, 3 * H * K + 8, dtype=torch.bfloat16)]

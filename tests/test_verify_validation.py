@@ -60,6 +60,11 @@ def test_good_conv_inputs_pick_the_conv_contract() -> None:
             "`v` must have contiguous rows and the row stride of `q`",
         ),
         (lambda x: {"state": x["state"].transpose(2, 3)}, "`state` must have strides"),
+        (lambda x: {"conv_dim_first": "yes"}, "`conv_dim_first` must be a Python bool"),
+        (
+            lambda x: {"state": torch.zeros(2, 257, 128, 128, dtype=torch.bfloat16)},
+            "`state` must have at most 256 heads (dim 1), got 257",
+        ),
     ],
 )
 def test_bad_inputs_name_the_tensor(change, message: str) -> None:
@@ -89,6 +94,12 @@ def test_windows_past_8_take_the_bounded_gate_down_to_128() -> None:
     assert (chosen.ctas, chosen.row_split) == (264, 1)
     tree = heuristic_variant("verify", contract | {"tree": True}, 3, arch="sm_100a")
     assert (tree.path, tree.ctas) == ("sm100_tcgen05", 2 * 148)
+
+
+def test_records_by_slot_must_be_a_bool() -> None:
+    args = verify_args(_inputs())
+    with pytest.raises(KdaInputError, match="`records_by_slot` must be a Python bool, got 1"):
+        validate_verify(args, variant=VARIANT, require_cuda=False, records_by_slot=1)
 
 
 def test_conv_tensors_come_all_or_none() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .validate import KdaInputError, check_scalar, check_state, check_tensor
+from .validate import KdaInputError, check_flag, check_scalar, check_state, check_tensor
 
 # verify's bound on |Q x lower_bound|. The window's log decay G_t reaches Q x lower_bound when
 # every gate saturates; the kernels scale the probes by exp(G) and the w rows by exp(-G), so
@@ -253,6 +253,8 @@ def check_verify(
     results = _FLOATS if float_results else None
     state = check_state(op, args.state, require_cuda=require_cuda, dtypes=results)
     heads, device = state.shape[1], state.device
+    check_flag(op, "records_by_slot", records_by_slot)
+    check_flag(op, "conv_dim_first", args.conv_dim_first)
     check_tensor(op, "slots", args.slots, dims=[("B", 0)], dtypes=_INDEX, device=device)
     batch = args.slots.shape[0]
     check_tensor(op, "query_start", args.query_start, dims=[batch + 1], dtypes=[torch.int32],

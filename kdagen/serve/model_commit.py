@@ -18,7 +18,7 @@ import torch
 
 from .contract import MAX_WINDOW, gate_of
 from .runtime import _resolve_variant, check_path, kernel_lower_bound, launch_commit
-from .validate import KdaInputError, check_scalar, check_state, check_tensor
+from .validate import KdaInputError, check_flag, check_scalar, check_state, check_tensor
 from .variant import Variant
 
 K = 128
@@ -200,7 +200,9 @@ class ModelCommit:
         check_scalar(op, "null_slot", null_slot, int, bits=64)
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.null_slot = int(null_slot)
-        self.records_by_slot = bool(records_by_slot)
+        check_flag(op, "records_by_slot", records_by_slot)
+        check_flag(op, "conv_dim_first", conv_dim_first)
+        self.records_by_slot = records_by_slot
         if self.records_by_slot and self.records.rows < first.shape[0]:
             raise KdaInputError(
                 f"{op}: with `records_by_slot`, `corrs` and `kgs` must have a row per state slot "

@@ -9,6 +9,8 @@ import torch
 
 # A dimension is an exact size, or (name, minimum) for a size the caller chooses.
 Dim = int | tuple[str, int]
+FLOAT32_MAX = 3.4028234663852886e38  # the kernels take float scalars as fp32
+MAX_HEADS = 256  # the largest head count a variant names (kdagen.serve.variant)
 
 
 class KdaInputError(ValueError):
@@ -74,6 +76,9 @@ def check_state(
         device=state.device, contiguous=False, align=16,
     )  # fmt: skip
     n_heads = state.shape[1]
+    if n_heads > MAX_HEADS:
+        raise KdaInputError(f"{op}: `state` must have at most {MAX_HEADS} heads (dim 1), got "
+                            f"{n_heads}")  # fmt: skip
     inner = (128 * 128, 128, 1)
     if tuple(state.stride()[1:]) != inner:
         raise KdaInputError(
@@ -89,7 +94,11 @@ def check_state(
     return state
 
 
-FLOAT32_MAX = 3.4028234663852886e38  # the kernels take float scalars as fp32
+def check_flag(op: str, name: str, value: object) -> None:
+    """A Python bool (an option that picks a layout or an indexing: a truthy string is a
+    caller's mistake, not a choice)."""
+    if not isinstance(value, bool):
+        raise KdaInputError(f"{op}: `{name}` must be a Python bool, got {value!r}")
 
 
 def check_scalar(

@@ -46,6 +46,7 @@ _LAYER_NAMES = {
     "corrs": "layers[{i}].kv_cache[2]", "kgs": "layers[{i}].kv_cache[3]",
     "a_logs": "layers[{i}].A_log", "dt_biases": "layers[{i}].dt_bias",
     "state": "kv_cache[1]", "lower_bound": "gate_lower_bound",
+    "conv_dim_first": "conv_state_dim_first",
 }  # fmt: skip
 _LAYER_RECORDS_NAMES = _LAYER_NAMES | {
     "corrs": "layers[{i}].recoverssm_records.correction",

@@ -1,5 +1,5 @@
-"""A window's raw q, k, v and g held a channel pair to a register (the Hopper wide chains at
-three CTAs an SM, ``kdagen.render.three_ctas_wide``).
+"""A window's raw q, k, v and g held a channel pair to a register (the Hopper verify past 8
+tokens at three CTAs an SM, ``kdagen.render.three_ctas_wide``).
 
 Thread c owns channel c, and ptxas keeps each 16-bit load in a 32-bit register of its own: the
 next unit's window, loaded one unit ahead, took 4 Q registers a thread and spilled at the 168

@@ -170,6 +170,65 @@ def test_spec_decode_loop_verify_accept_commit(lower_bound: float | None) -> Non
     assert (got - want).norm() <= 1e-2 * want.norm(), f"seed {SEED}"
 
 
+SHARED = ("a_log", "dt_bias", "state", "state_pool", "query_start", "slots")
+
+
+def _step_inputs(base: dict, step: dict) -> dict:
+    """A step's activations and output buffers over ``base``'s pool, slots and gate."""
+    return dict(step) | {k: base[k] for k in SHARED}
+
+
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_verify_right_after_commit_reads_the_committed_state(batch: int) -> None:
+    """verify launched straight after commit on one stream, nothing between (a plain decode
+    loop), replayed from one CUDA graph so no host gap separates them: with PDL a launch's
+    prologue may run under the previous kernel, and the state it reads there is the one the
+    commit is writing. Each step's activations, output buffers and accepted counts are made
+    before the graph; the fp64 reference runs the same steps afterwards."""
+    steps, seeds = 6, [SEED + 1 + s for s in range(6)]
+    gen = torch.Generator().manual_seed(SEED)
+    made = dict(device="cuda", ragged=False, nulls=False)  # every window Q: one query_start
+    base = make_verify_inputs(batch, H, Q, seed=SEED, **made)
+    per_step = [make_verify_inputs(batch, H, Q, seed=s, **made) for s in seeds]
+    accepted = [torch.randint(1, Q + 1, (batch,), generator=gen, dtype=torch.int32).cuda()
+                for _ in range(steps)]  # fmt: skip
+    ref = clone_inputs(base)
+    ref["state"] = ref["state"].double()
+    ref_steps = [clone_inputs(p) for p in per_step]  # poisoned outputs, before any launch
+    start = base["state_pool"].clone()
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def loop() -> None:
+        for s in range(steps):
+            launched = _step_inputs(base, per_step[s])
+            run_verify(verify_args(launched), counter=counter)
+            commit(launched["state"], launched["corr"], launched["kg"], base["a_log"],
+                   base["dt_bias"], base["slots"], accepted[s], lower_bound=base["lower_bound"])  # fmt: skip
+
+    loop()  # loads both kernels (and picks them) outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        loop()
+    torch.cuda.current_stream().wait_stream(stream)
+    base["state_pool"].copy_(start)
+    for p, r in zip(per_step, ref_steps, strict=True):
+        for name in ("out", "corr", "kg"):
+            p[name].copy_(r[name])  # poisoned again
+    graph.replay()
+    torch.cuda.synchronize()
+    for s in range(steps):
+        r = _step_inputs(ref, ref_steps[s])
+        reference.verify(verify_args(r), compute_dtype=torch.float64)
+        reference.commit(commit_args(r, accepted[s]), compute_dtype=torch.float64)
+        got, want = per_step[s]["out"].double(), r["out"].double()
+        assert (got - want).norm() <= 1e-2 * want.norm(), f"step {s}, seed {SEED}"
+    got, want = base["state"].double(), ref["state"]
+    assert (got - want).norm() <= 1e-2 * want.norm(), f"seed {SEED}"
+
+
 @pytest.mark.parametrize(
     "name",
     [

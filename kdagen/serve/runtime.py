@@ -410,8 +410,11 @@ def verify(
     place; conv_w [3*H*128, 4] bf16 or fp32; accepted [B] int32 (1..Q). Window lengths must
     be <= Q, ``query_start`` nondecreasing inside [0, T] (``out`` is written at rows
     ``query_start[b]..query_start[b+1]-1``, padding requests' included) and live slots unique
-    (not checked: that would synchronise). ``lower_bound``:
-    Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate. ``parents`` [T] int32:
+    (not checked: that would synchronise). With PDL the kernel reads ``slots`` and starts
+    loading states before it waits for the kernel launched before it on the stream, which
+    must therefore not write them (a ``commit`` directly before ``verify`` does).
+    ``lower_bound``: Kimi-K3's gate bound, or None for Kimi-Linear's softplus gate.
+    ``parents`` [T] int32:
     each window is a token tree, token t's parent at window position ``parents[t]`` (-1:
     the root; docs/tree-semantics.md), conv off or on.
     Launches on the current stream; no allocation, no synchronisation.

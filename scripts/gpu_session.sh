@@ -7,6 +7,8 @@
 # then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/; what the
 # check steps passed before it is not checked again),
 # sweep_commit (scripts/sweep_model_commit.py with SWEEP_ARGS, e.g. "--no-prefix-caching --batches 1,16"),
+# sanitize (compute-sanitizer's racecheck and memcheck on a few check cases of SANITIZE_VARIANTS,
+# scripts/sanitize_verify.py),
 # bench_model (the all-layer commit and decode step of a 69-layer model; bench_model_softplus:
 # Kimi-Linear's 20 layers at TP 1, H 32, with its softplus gate), bench_gate (the
 # softplus gate's verify against its bounded twin, Kimi-Linear's shapes), check_tree and
@@ -79,6 +81,13 @@ has check_tree && TAIL=6 step check_tree sharded_check verify_tree_sm90.yaml tre
 has check_tree_conv && TAIL=6 step check_tree_conv sharded_check verify_tree_conv_sm90.yaml tree_conv
 has check_wide && TAIL=6 step check_wide sharded_check verify_wide_sm90.yaml wide
 has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
+if has sanitize; then  # SANITIZE_VARIANTS under racecheck and memcheck, built with line info
+  for tool in racecheck memcheck; do
+    TAIL=12 step "sanitize_$tool" bounded env KDAGEN_DSL_OPTIONS=--generate-line-info \
+      KDAGEN_CACHE=/tmp/kdagen-cache-lineinfo compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      python3 scripts/sanitize_verify.py ${SANITIZE_VARIANTS:-verify-h12-q16-i32-sm90_wgmma-t128-r1-c396-s1-pdl}
+  done
+fi
 benches="${BENCHES:-h12_q8 h32_q4 h96_q8 h12_q2 h12_q8_conv}"
 bench_verify() { local name=$1 tail=$2; shift 2; [[ " $benches " == *" $name "* ]] || return 0
   TAIL=$tail step "bench_$name" kdagen bench --space verify_sm90.yaml "$@" --out "$out/bench_verify_$name.json"; }

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kdagen.first_use import staleness
-from kdagen.serve.dispatch import TABLE_FILE, DispatchTable, load_table, table_folder_for
+from kdagen.serve.dispatch import TABLE_FILE, load_table, table_folder_for
 from kdagen.space import DEFAULT_SPACES
 
 SERVED = 0  # the GPU's own table, fresh, every study tuned: nothing to do
@@ -99,14 +99,7 @@ def diagnose(
                                         f"(bucket {entry.batch})"))  # fmt: skip
             elif how == "none":
                 found.fallbacks.append((plan.key, batch, "the built-in heuristic"))
-            elif entry is not None and not _in_space(table, plan.kernel, plan.key, entry.variant):
+            elif entry is not None and not table.keeps(plan.kernel, plan.key, entry.variant):
                 found.fallbacks.append((plan.key, batch, f"a winner outside the table's space "
                                         f"({entry.variant}): the run-time refuses it"))  # fmt: skip
     return found
-
-
-def _in_space(table: DispatchTable, kernel: str, key: str, variant: str) -> bool:
-    """Whether the run-time keeps ``variant`` (``dispatch.inside_space``): the table's space
-    holds it, or holds no point of its key."""
-    points = table.space.get(kernel, {}).get(key)
-    return not points or variant in points

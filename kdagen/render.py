@@ -60,8 +60,7 @@ def three_ctas_wide(variant: Variant) -> bool:
     a channel pair to a register (``kdagen.dsl.paired_window``). Not in a shipped space until
     the H200 has checked and timed it."""
     return (
-        variant.kernel == "verify"
-        and variant.path == "sm90_wgmma"
+        _sm90(variant)
         and variant.window > 8
         and variant.gate == "kda"
         and not variant.conv

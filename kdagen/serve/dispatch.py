@@ -149,6 +149,12 @@ class DispatchTable:
             )
         return "; ".join(changed) or None
 
+    def keeps(self, kernel: str, key: str, name: str) -> bool:
+        """Whether the run-time keeps variant ``name`` of contract ``key`` (``inside_space``):
+        the table's space holds it, or holds no point of its key."""
+        points = self.space.get(kernel, {}).get(key)
+        return not points or name in points
+
     def lookup(self, kernel: str, key: str, batch: int) -> tuple[Entry | None, str]:
         """The entry for (key, batch) and how it was found: ``exact``, ``nearest``,
         ``gpu-default`` or ``none``. Pure: no warnings, no I/O."""
@@ -342,10 +348,9 @@ def inside_space(table: DispatchTable, kernel: str, chosen: Variant) -> Variant:
     those sharing the most tuning fields with it (ties: the first by name): what runs was
     verified by `kdagen check` on this GPU's space. Tables without a space keep ``chosen``."""
     key = chosen.contract_key
-    points = table.space.get(kernel, {}).get(key)
-    if not points or chosen.name in points:
+    if table.keeps(kernel, key, chosen.name):
         return chosen
-    inside = nearest_point(chosen, points)
+    inside = nearest_point(chosen, table.space[kernel][key])
     _warn_once(
         key, "space",
         f"{key}: {chosen.name} is outside the search space the table was tuned and checked "

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
+from .variant import MAX_HEADS
+
 # A dimension is an exact size, or (name, minimum) for a size the caller chooses.
 Dim = int | tuple[str, int]
 FLOAT32_MAX = 3.4028234663852886e38  # the kernels take float scalars as fp32
-MAX_HEADS = 256  # the largest head count a variant names (kdagen.serve.variant)
 
 
 class KdaInputError(ValueError):

@@ -57,7 +57,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     # CTA runs the FMAs of its accepted count's path instead of the whole window's
     "fold_paths": (1, 2, 4, 8),
 }
-_RANGES: dict[str, tuple[int, int]] = {"heads": (1, 256), "window": (1, 16), "ctas": (1, 1 << 16)}
+MAX_HEADS = 256
+_RANGES: dict[str, tuple[int, int]] = {
+    "heads": (1, MAX_HEADS), "window": (1, 16), "ctas": (1, 1 << 16)
+}  # fmt: skip
 # The widest window each kernel path computes (its coupling tiles and the range of its factors).
 _MAX_WINDOW = {"sm90_wgmma": 16, "sm100_tcgen05": 16}
 

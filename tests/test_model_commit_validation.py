@@ -127,6 +127,15 @@ def test_misaligned_layer_is_refused() -> None:
         ),  # fmt: skip
         (
             {
+                "block_table": torch.zeros(2, 2048, dtype=torch.int32),
+                "num_computed": torch.zeros(2, dtype=torch.int32),
+                "block_size": 2**20,  # 2**31 token positions: the last block's end wraps
+            },
+            r"`block_size` x the width of `block_table` \(1048576 x 2048 = 2147483648 tokens\) "
+            r"must stay below 2\*\*31 - 4",
+        ),  # fmt: skip
+        (
+            {
                 "block_table": torch.zeros(3, 2, dtype=torch.int32).t(),
                 "num_computed": torch.zeros(2, dtype=torch.int32),
                 "block_size": 16,

@@ -279,7 +279,8 @@ class ModelCommit:
         0..Q; with ``request_index`` [B] int32 it is indexed by ``request_index[b]`` (as are
         ``block_table`` and ``num_computed``); with ``query_start`` [B+1] int32 it is at most
         the window's length. Prefix caching (vLLM's align mode): ``block_table`` [R, W]
-        int32, ``num_computed`` [R] int32 and ``block_size`` >= Q send the state to the slot
+        int32, ``num_computed`` [R] int32 and ``block_size`` >= Q (``block_size`` x W below
+        2**31 - Q, the kernels' int32 token positions) send the state to the slot
         of the block holding the last committed token, and the state at the first block
         boundary the window crosses to that block's slot (with the conv history likewise).
         After a token-tree verify, ``path`` [B, Q] int32 lists request b's accepted nodes root
@@ -394,6 +395,13 @@ class ModelCommit:
                                 f"{list(block_table.stride())}")  # fmt: skip
         check_tensor(op, "num_computed", num_computed, dims=[("R", owners)],
                      dtypes=[torch.int32], device=self.device)  # fmt: skip
+        # The kernels place tokens in int32: the end of the table's last block, plus a window
+        # past it, must not wrap (a wrapped boundary would read conv rows far past the slot).
+        span = block_size * block_table.shape[1]
+        if span > 2**31 - 1 - self.window:
+            raise KdaInputError(f"{op}: `block_size` x the width of `block_table` ({block_size} x "
+                                f"{block_table.shape[1]} = {span} tokens) must stay below "
+                                f"2**31 - {self.window} (the kernels' int32 token positions)")  # fmt: skip
         return {
             "block_table": block_table, "num_computed": num_computed, "block_size": block_size,
             "table_rows": block_table.shape[0], "table_width": block_table.shape[1],

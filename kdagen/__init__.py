@@ -1,7 +1,8 @@
 """kdagen: autotuning and code generation for KDA speculative verify/commit kernels.
 
 The serving API (``kdagen.serve``: ``verify``, ``commit``, ``ModelCommit``,
-``KdaInputError``, ``kda_recoverssm_verify``, ``KDARecoverSSMCommitContext``, ``ops``) is
+``KdaInputError``, ``check_values``, ``kda_recoverssm_verify``, ``KDARecoverSSMCommitContext``,
+``ops``) is
 reachable here too, with kernels compiled on first use (``kdagen.first_use``), and imported
 on first access so that the command line need not load torch.
 """

@@ -254,3 +254,34 @@ def test_slots_outside_the_pool_pad(case: VerifyCase, conv: bool) -> None:
     variant = default_verify_variant(H, Q, "int32", case.batch, conv=conv)
     result = run_verify_case(variant, case, SEED)
     assert result.passed, f"seed {SEED}: {result.error or result.summary()}"
+
+
+def test_value_checks_name_bad_values_eagerly_and_stay_out_of_graph_capture() -> None:
+    """``check_values(True)``: an eager launch with a window past the rows raises naming
+    ``query_start``, before anything runs; a CUDA-graph capture of a good launch synchronises
+    nothing (the check is skipped there) and replays to the eager launch's bits."""
+    from kdagen.serve import values
+    from kdagen.serve.validate import KdaInputError
+
+    inputs = make_verify_inputs(8, H, Q, seed=SEED, device="cuda")
+    args = verify_args(inputs)
+    values.check_values(True)
+    try:
+        bad = inputs["query_start"].clone()
+        bad[-1] += 1
+        with pytest.raises(KdaInputError, match="`query_start`"):
+            run_verify(args.with_(query_start=bad))
+        run_verify(args)
+        torch.cuda.synchronize()
+        eager = bits(inputs["out"]).clone()
+        inputs["out"].copy_(poison_(torch.empty_like(inputs["out"])))
+        stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            run_verify(args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(inputs["out"]), eager), f"seed {SEED}"
+    finally:
+        values.check_values(False)

@@ -1,7 +1,8 @@
 """kdagen.serve: the serving run-time, what an inference engine imports.
 
 Verify's and commit's argument types and checks (``contract``, shared with the reference and
-the emulator), validation and launch (``runtime``), the dispatch-table lookup (``dispatch``),
+the emulator), the opt-in checks of index values (``values``), validation and launch
+(``runtime``), the dispatch-table lookup (``dispatch``),
 the all-layer commit (``model_commit``), vLLM's entry points (``vllm``) and the torch custom
 ops (``ops``).
 It imports the standard library, torch, nvidia-cutlass-dsl and its own modules only (no
@@ -29,6 +30,7 @@ _API = {
     "commit": "runtime",
     "ModelCommit": "model_commit",
     "KdaInputError": "validate",
+    "check_values": "values",
     "kda_recoverssm_verify": "vllm",
     "kda_recoverssm_verify_records": "vllm",
     "KDARecoverSSMCommitContext": "vllm",

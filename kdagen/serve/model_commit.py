@@ -19,6 +19,7 @@ import torch
 from .contract import MAX_WINDOW, gate_of
 from .runtime import _resolve_variant, check_path, kernel_lower_bound, launch_commit
 from .validate import KdaInputError, check_flag, check_scalar, check_state, check_tensor
+from .values import check_commit_values, wanted
 from .variant import Variant
 
 K = 128
@@ -293,6 +294,11 @@ class ModelCommit:
         )  # fmt: skip
         if path is not None:
             values |= self._path_args(path, values)
+        if wanted(self.device):
+            check_commit_values(f"{self.op}.commit", slots=slots, accepted=accepted,
+                                null_slot=self.null_slot, slot_count=values["slot_count"],
+                                window=self.window, query_start=query_start,
+                                request_index=request_index, path=path)  # fmt: skip
         if values["batch"] == 0:
             return
         chosen = self.variant_for(values["batch"], slots.dtype, path=path is not None,

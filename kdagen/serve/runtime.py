@@ -19,6 +19,7 @@ import torch
 from . import kernel_source
 from .contract import CommitArgs, VerifyArgs, check_commit, check_verify
 from .validate import KdaInputError, check_tensor
+from .values import check_commit_values, check_verify_values, wanted
 from .variant import Variant, lean_commit_key
 
 
@@ -135,6 +136,10 @@ def run_commit(
     if path is not None:
         check_path("kdagen.commit", path, launch.batch, args.corr.shape[2], args.state.device)
     state, corr, kg = args.state, args.corr, args.kg
+    if wanted(state.device):
+        check_commit_values("kdagen.commit", slots=args.slots, accepted=args.accepted,
+                            null_slot=int(args.null_slot), slot_count=state.shape[0],
+                            window=corr.shape[2], path=path)  # fmt: skip
     launch_commit(
         launch.variant, state=state, corr=corr, kg=kg, a_log=args.a_log, dt_bias=args.dt_bias,
         slots=args.slots, accepted=args.accepted, layers=1, batch=launch.batch,
@@ -354,6 +359,11 @@ def validate_verify(
         arch = device_arch(device)
     chosen = _resolve_variant(variant, "verify", batch=checked.batch, device=device, arch=arch,
                               **checked.fields)  # fmt: skip
+    if wanted(device):
+        check_verify_values(op, query_start=args.query_start, slots=args.slots,
+                            null_slot=int(args.null_slot), slot_count=args.state.shape[0],
+                            tokens=args.q.shape[0], window=checked.fields["window"],
+                            accepted=args.accepted, parents=args.parents)  # fmt: skip
     return VerifyLaunch(args, chosen, checked.act_stride, records_by_slot, checked.batch)
 
 

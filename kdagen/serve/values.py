@@ -1,8 +1,7 @@
 """Opt-in checks of the values in the index tensors, which the launch checks cannot read without
 synchronising: ``query_start``, ``slots``, ``accepted``, ``parents``, and a commit's
-``request_index`` and ``path``. The kernels keep every access inside the tensors whatever these
-hold (a window is cut to the rows, a count clamped to the window), but a bad value still gives
-wrong rows silently. With ``KDAGEN_CHECK_VALUES=1`` in the environment, or after
+``request_index`` and ``path``. A bad value there is not caught at launch and gives wrong
+results silently. With ``KDAGEN_CHECK_VALUES=1`` in the environment, or after
 ``check_values(True)``, every launch reads them back to the host (a synchronisation: for
 bringing up an integration, not for serving) and raises ``KdaInputError`` naming the tensor, the
 request and the value. Launches captured in a CUDA graph skip the check: they cannot

@@ -161,17 +161,41 @@ def check_variant(variant: Variant, seed: int = 0) -> list:
     return check_commit(variant, seed)
 
 
+# Seconds a check case takes on the H200 with 12 check processes sharing its 16 cores
+# (docs/bench/h200-2026-12-05-next-spaces/check_added.txt): a verify case about 0.5 s at
+# H <= 8, 1-1.5 s at H 12-16, 2.3-4.7 s at H 32 and 96 (its inputs and reference grow with
+# the heads); a commit case about 0.05 s whatever the heads.
+COMMIT_CASE_S = 0.05
+
+
+def verify_case_s(heads: int) -> float:
+    """A verify case's estimated seconds at ``heads`` (flat past 48, as measured at 96)."""
+    return 0.25 + min(heads, 48) / 12
+
+
+def check_cost(variant: Variant) -> float:
+    """Estimated seconds of ``variant``'s check (for balancing shards, not for reports)."""
+    if variant.kernel == "verify":
+        from kdagen.check_verify import cases_for
+
+        return len(cases_for(variant)) * verify_case_s(variant.heads)
+    commit_cases = len(CHECK_CASES) + (len(SOFTPLUS_CASES) if variant.gate == "softplus" else 0)
+    return commit_cases * COMMIT_CASE_S
+
+
 def shard_by_contract(variants: list[Variant], index: int, count: int) -> list[Variant]:
-    """Shard ``index`` of ``count``: whole contracts, the largest first to the lightest shard,
-    each shard ordered by contract (its tuning points share a case's inputs and reference)."""
+    """Shard ``index`` of ``count``: whole contracts, the costliest first to the least loaded
+    shard by ``check_cost`` (an H 96 verify costs several H 12 ones), each shard ordered by
+    contract (its tuning points share a case's inputs and reference)."""
     groups: dict[str, list[Variant]] = {}
     for v in variants:
         groups.setdefault(v.contract_key, []).append(v)
-    loads = [0] * count
+    cost = {key: sum(check_cost(v) for v in group) for key, group in groups.items()}
+    loads = [0.0] * count
     mine: list[Variant] = []
-    for key in sorted(groups, key=lambda k: (-len(groups[k]), k)):
+    for key in sorted(groups, key=lambda k: (-cost[k], k)):
         lightest = loads.index(min(loads))
-        loads[lightest] += len(groups[key])
+        loads[lightest] += cost[key]
         if lightest == index:
             mine += groups[key]
     return sorted(mine, key=lambda v: (v.contract_key, v.name))

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kdagen.check import CaseResult, check_verdicts, result_records, shard_by_contract
+from kdagen.check import (
+    CaseResult,
+    check_cost,
+    check_verdicts,
+    result_records,
+    shard_by_contract,
+)
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
 
@@ -23,9 +29,22 @@ def test_shards_split_whole_contracts_evenly_and_keep_them_together(count: int) 
     for s in shards:  # a contract's tuning points back to back: the case cache holds one
         keys = [v.contract_key for v in s]
         assert keys == sorted(keys)
-    biggest = max(sum(v.contract_key == k for v in variants) for k in owners)
-    sizes = [len(s) for s in shards]
-    assert max(sizes) - min(sizes) <= biggest
+    # Balanced by estimated check time (an H 96 verify costs several H 12 ones): no shard
+    # more than the costliest contract over the least loaded one.
+    costs = {k: sum(check_cost(v) for v in variants if v.contract_key == k) for k in owners}
+    loads = [sum(check_cost(v) for v in s) for s in shards]
+    assert max(loads) - min(loads) <= max(costs.values()) + 1e-9
+
+
+def test_a_check_costs_more_with_more_heads_and_cases() -> None:
+    def cost(name: str) -> float:
+        return check_cost(Variant.parse(name))
+
+    h12, h96 = (f"verify-h{h}-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl" for h in (12, 96))
+    assert cost(h96) > 2 * cost(h12)
+    softplus = "verify-h32-q8-softplus-i32-sm90_wgmma-t128-r1-c396-s1-pdl"
+    assert cost(softplus) > cost("verify-h32-q8-i32-sm90_wgmma-t128-r1-c396-s1-pdl")
+    assert cost("commit-h96-q8-i32-bulk-t128-v4-r2-pdl") < cost(h12) / 10
 
 
 def _case(name: str, max_rel: float) -> CaseResult:

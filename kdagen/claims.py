@@ -138,8 +138,20 @@ class Claims:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last: tuple[float, dict[str, ClaimView]] | None = None  # (when, views): last scan
 
     # ---- reading ----
+
+    def recent(self, max_age: float) -> dict[str, ClaimView]:
+        """The last scan's views when at most ``max_age`` seconds old, else a new ``scan``. A
+        scan reads every study's attributes (about 0.6 s on a storage of 1600 studies): the
+        heartbeat scans every ``beat_s``, and a choice of study made on older views only
+        costs a refused ``acquire`` (creating a claim is what decides)."""
+        with self._lock:
+            last = self._last
+        if last is not None and self.clock() - last[0] <= max_age:
+            return last[1]
+        return self.scan()
 
     def scan(self) -> dict[str, ClaimView]:
         """Each claimed study's newest claim. Notes when each beat was first seen (staleness)
@@ -168,6 +180,7 @@ class Claims:
                 view = views.get(study)
                 if claim.lost is None and (view is None or view.epoch != claim.epoch):
                     claim.lost = f"now held by {view.holder}" if view else "its claim was deleted"
+            self._last = (now, views)
         return views
 
     def judge(self, view: ClaimView | None) -> str:
@@ -230,8 +243,7 @@ class Claims:
         for key, value in attrs.items():
             self.storage.set_study_user_attr(study_id, key, value)
         claim = Claim(study, epoch, study_id)
-        newest = self.scan().get(study)
-        if newest is None or newest.epoch != epoch:  # ours re-created a deleted epoch
+        if not self._newest(study, epoch):  # ours re-created a deleted epoch, or was taken
             self._mark_released(claim, None)
             return None
         with self._lock:
@@ -257,6 +269,21 @@ class Claims:
             pass
         except Exception as err:  # the storage is down: the claim goes stale instead
             self.warn(f"claims: could not release {claim.study} ({_line(err)})")
+
+    def _newest(self, study: str, epoch: int) -> bool:
+        """Whether ``study``'s claim of ``epoch`` is stored and no newer one is, by name: a
+        newer epoch follows a takeover of the one before, each after ``stale_s`` of silence,
+        so looking a few epochs ahead covers every race of one ``acquire``."""
+        return self._exists(claim_name(study, epoch)) and not any(
+            self._exists(claim_name(study, later)) for later in range(epoch + 1, epoch + 4)
+        )
+
+    def _exists(self, name: str) -> bool:
+        try:
+            self.storage.get_study_id_from_name(name)
+        except KeyError:
+            return False
+        return True
 
     def _delete(self, name: str) -> None:
         with contextlib.suppress(KeyError):  # another process deleted it first

@@ -138,7 +138,7 @@ class Schedule:
             return None
 
     def _claim_one(self, slot: Slot, pending: list[str]) -> Claim | None:
-        views = self.claims.scan()
+        views = self.claims.recent(self.claims.beat_s)  # the heartbeat's scan, if that recent
         held: list[ClaimView] = []
         for name in pending:
             view = views.get(name)

@@ -34,6 +34,10 @@ class TuneError(RuntimeError):
     says why."""
 
 
+# Past this many study names one read of every study's attributes is cheaper than a lookup each.
+FEW_STUDIES = 16
+
+
 @dataclass(frozen=True)
 class Stamp:
     """What a run's studies depend on besides their candidates."""
@@ -111,19 +115,38 @@ def foreign(attrs: dict[str, Any], stamp: Stamp) -> str | None:
 
 
 def fresh_studies(
-    storage: optuna.storages.BaseStorage, stamp: Stamp, key: str | None = None
+    storage: optuna.storages.BaseStorage,
+    stamp: Stamp,
+    key: str | None = None,
+    names: Sequence[str] | None = None,
 ) -> list[optuna.Study]:
     """Studies of this storage measured on this GPU with the kernels this run builds (of one
-    contract key: ``key``)."""
+    contract key: ``key``; of these study names only: ``names``, read one by one, which a
+    tune does per study instead of reading every study's attributes)."""
     out = []
-    for frozen in storage.get_all_studies():
-        attrs = frozen.user_attrs
+    for name, attrs in stored_attrs(storage, names).items():
         if key is not None and attrs.get("key") != key:
             continue
         mine = "kernel" in attrs and attrs["kernel"] in stamp.template_hashes
         if mine and not foreign(attrs, stamp) and not staleness(attrs, stamp):
-            out.append(optuna.load_study(study_name=frozen.study_name, storage=storage))
+            out.append(optuna.load_study(study_name=name, storage=storage))
     return out
+
+
+def stored_attrs(
+    storage: optuna.storages.BaseStorage, names: Sequence[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Study name -> user attributes: of every study (``names`` None: one read of them all,
+    about 0.6 s on a table of 1600 studies and claims), else of those of ``names`` the storage
+    holds (a lookup each)."""
+    if names is None:
+        return {f.study_name: f.user_attrs for f in storage.get_all_studies()}
+    found = {}
+    for name in names:
+        study_id, attrs = _stored(storage, name)
+        if study_id is not None:
+            found[name] = attrs
+    return found
 
 
 def stale_studies(
@@ -133,18 +156,19 @@ def stale_studies(
     (``TuneError``) a storage whose planned studies were measured on another GPU.
     ``planned``: study name -> the hash of its candidates now. Reads only."""
     foreign_studies, stale = [], {}
-    for frozen in storage.get_all_studies():
-        if frozen.study_name not in planned:
+    # A few names (a tune's study at its claim) are looked up; more, read all at once.
+    few = list(planned) if len(planned) <= FEW_STUDIES else None
+    for name, attrs in stored_attrs(storage, few).items():
+        if name not in planned:
             continue
-        attrs = frozen.user_attrs
         if why := foreign(attrs, stamp):
-            foreign_studies.append(f"{frozen.study_name}: {why}")
+            foreign_studies.append(f"{name}: {why}")
             continue
         why = staleness(attrs, stamp)
-        if attrs.get("space") not in (None, planned[frozen.study_name]):
+        if attrs.get("space") not in (None, planned[name]):
             why = (why + ", " if why else "") + "the candidates (search space) changed"
         if why:
-            stale[frozen.study_name] = why
+            stale[name] = why
     if foreign_studies:
         listed = "; ".join(foreign_studies[:4])
         more = len(foreign_studies) - 4

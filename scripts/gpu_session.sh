@@ -7,6 +7,7 @@
 # then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/; what the
 # check steps passed before it is not checked again),
 # sweep_commit (scripts/sweep_model_commit.py with SWEEP_ARGS, e.g. "--no-prefix-caching --batches 1,16"),
+# bench_ab (scripts/bench_ab.py: kdagen bench AB_ARGS in AB_TREE, default .ab, and here, AB_ROUNDS rounds),
 # sanitize (compute-sanitizer's racecheck and memcheck on a few check cases of SANITIZE_VARIANTS,
 # scripts/sanitize_verify.py),
 # bench_model (the all-layer commit and decode step of a 69-layer model; bench_model_softplus:
@@ -127,6 +128,11 @@ if has bench_wide_gate; then  # Q = 16, H 32 (both models' head count): softplus
 fi
 if has sweep_commit; then  # every commit variant of a key on the 69-layer step (SWEEP_ARGS: the script's options)
   TAIL=40 step sweep_commit bounded python3 scripts/sweep_model_commit.py ${SWEEP_ARGS:-}
+fi
+if has bench_ab; then  # the same kdagen bench (AB_ARGS) in a base tree and in this one, alternating processes
+  # AB_TREE: a carried, git-ignored base tree, e.g. `git archive main kdagen templates search_spaces | tar -x -C .ab`
+  TAIL=16 step bench_ab bounded python3 scripts/bench_ab.py "${AB_TREE:-.ab}" . --rounds "${AB_ROUNDS:-3}" --out "$out/ab" -- \
+    ${AB_ARGS:---heads 12 --window 8 --batches 1,4,16,64,256,512 --match t128-r1-c396-s1 --no-peers}
 fi
 if has bench_commit; then
   TAIL=10 step bench_commit_h12_q8 kdagen bench --heads 12 --window 8 --batches 1,4,16,64,256,512 --out "$out/bench_commit_h12_q8.json"

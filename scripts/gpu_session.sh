@@ -7,7 +7,8 @@
 # then serving from it; OUTDIR/gen.tgz holds the GPU's folder to copy to generated/; what the
 # check steps passed before it is not checked again),
 # sweep_commit (scripts/sweep_model_commit.py with SWEEP_ARGS, e.g. "--no-prefix-caching --batches 1,16"),
-# bench_ab (scripts/bench_ab.py: kdagen bench AB_ARGS in AB_TREE, default .ab, and here, AB_ROUNDS rounds),
+# profile_check (where a check's time goes: cProfile of the verify check of PROFILE_MATCH, default
+# verify-h32-q8-i32-), bench_ab (scripts/bench_ab.py: kdagen bench AB_ARGS in AB_TREE, default .ab, and here, AB_ROUNDS rounds),
 # sanitize (compute-sanitizer's racecheck and memcheck on a few check cases of SANITIZE_VARIANTS,
 # scripts/sanitize_verify.py),
 # bench_model (the all-layer commit and decode step of a 69-layer model; bench_model_softplus:
@@ -81,6 +82,10 @@ has check_commit_tree && TAIL=6 step check_commit_tree sharded_check commit_tree
 has check_tree && TAIL=6 step check_tree sharded_check verify_tree_sm90.yaml tree
 has check_tree_conv && TAIL=6 step check_tree_conv sharded_check verify_tree_conv_sm90.yaml tree_conv
 has check_wide && TAIL=6 step check_wide sharded_check verify_wide_sm90.yaml wide
+profile_check() {  # cProfile of one contract's check, the 30 costliest calls by cumulative time
+  bounded python3 -m cProfile -o "$out/check.prof" -m kdagen.cli check --space "$1" --match "$2" &&
+    python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumtime').print_stats(30)" "$out/check.prof"; }
+has profile_check && TAIL=45 step profile_check profile_check verify_sm90.yaml "${PROFILE_MATCH:-verify-h32-q8-i32-}"
 has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_FILES:-tests}
 if has sanitize; then  # SANITIZE_VARIANTS under racecheck and memcheck, built with line info
   for tool in racecheck memcheck; do

@@ -86,7 +86,7 @@ profile_check() {  # cProfile of one contract's check: the 15 costliest calls by
   bounded python3 -m cProfile -o "$out/check.prof" -m kdagen.cli check --space "$1" --match "$2" &&
     python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(15)
 s.sort_stats('cumtime').print_stats(30)" "$out/check.prof"; }
-has profile_check && TAIL=45 step profile_check profile_check verify_sm90.yaml "${PROFILE_MATCH:-verify-h32-q8-i32-}"
+has profile_check && TAIL=70 step profile_check profile_check verify_sm90.yaml "${PROFILE_MATCH:-verify-h32-q8-i32-}"
 has pytest && TAIL=8 step pytest_gpu bounded python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 ${PYTEST_FILES:-tests}
 if has sanitize; then  # SANITIZE_VARIANTS under racecheck and memcheck, built with line info
   for tool in racecheck memcheck; do

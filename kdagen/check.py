@@ -124,12 +124,17 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
     return result
 
 
+def commit_cases(variant: Variant) -> tuple[CommitCase, ...]:
+    """A commit variant's one-layer check cases."""
+    return CHECK_CASES + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
+
+
 def check_commit(variant: Variant, seed: int = 0) -> list[CaseResult]:
     """All commit check cases, one layer's and a model's (``kdagen.check_model_commit``),
     each on fresh random inputs (the seed moves per case)."""
     from kdagen.check_model_commit import check_model_commit
 
-    cases = CHECK_CASES + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
+    cases = commit_cases(variant)
     single = [run_commit_case(variant, case, seed + i) for i, case in enumerate(cases)]
     return single + check_model_commit(variant, seed)
 
@@ -179,8 +184,7 @@ def check_cost(variant: Variant) -> float:
         from kdagen.check_verify import cases_for
 
         return len(cases_for(variant)) * verify_case_s(variant.heads)
-    commit_cases = len(CHECK_CASES) + (len(SOFTPLUS_CASES) if variant.gate == "softplus" else 0)
-    return commit_cases * COMMIT_CASE_S
+    return len(commit_cases(variant)) * COMMIT_CASE_S
 
 
 def shard_by_contract(variants: list[Variant], index: int, count: int) -> list[Variant]:

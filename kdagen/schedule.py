@@ -11,6 +11,7 @@ over (this one fell silent too long) is left to that process.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class Slot:
 
 
 RunOne = Callable[[Slot, Claim, str], None]  # the slot, the claim, the label for its lines
+PACE_AFTER = 3  # studies run here before the progress lines estimate the time left
 
 
 class Schedule:
@@ -41,6 +43,7 @@ class Schedule:
         done_for: Callable[[str], str],
         echo: Callable[[str], None],
         complete: Collection[str] = (),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``complete``: studies an earlier run finished for this run's goal, never claimed."""
         self.names, self.claims, self.done_for, self.echo = list(names), claims, done_for, echo
@@ -54,10 +57,13 @@ class Schedule:
         self._cond = threading.Condition()
         self._waiting: tuple[str, ...] = ()
         self._index: dict[str, int] = {}  # study -> its number in this run's progress lines
+        self.clock = clock
+        self._started = clock()
 
     def run(self, slots: Sequence[Slot], run_one: RunOne) -> None:
         """Every study done, by a thread per slot; raises the first error of any thread."""
         self._slots = list(slots)
+        self._started = self.clock()
         ended = [threading.Event() for _ in slots]
         threads = [threading.Thread(target=self._work, args=(slot, run_one, end), daemon=True,
                                     name=f"kdagen-{slot.label}")
@@ -184,10 +190,30 @@ class Schedule:
             if ok:
                 self.done.add(claim.study)
                 self.ran_here += 1
-            done = len(self.done)
+            done, ran = len(self.done), self.ran_here
             self._cond.notify_all()
         if claim.lost:
             self.echo(f"[{label}{claim.study}] another tune process took it over "
                       f"({claim.lost}); left to it")  # fmt: skip
         elif ok:
-            self.echo(f"[{label}{claim.study}] done; {done}/{len(self.names)} studies done")
+            self.echo(f"[{label}{claim.study}] done; {done}/{len(self.names)} studies done"
+                      f"{self.time_left(done, ran)}")  # fmt: skip
+
+    def time_left(self, done: int, ran: int) -> str:
+        """What the studies left (of ``done``) would take at this process's pace so far, ``ran``
+        studies since it started (all its GPUs together; other processes on the storage only
+        shorten it), once it has run a few; "" before."""
+        left = len(self.names) - done
+        if ran < PACE_AFTER or left <= 0:
+            return ""
+        seconds = left * (self.clock() - self._started) / ran
+        return f", about {duration(seconds)} left at this run's pace"
+
+
+def duration(seconds: float) -> str:
+    """A rough span for a person: seconds under two minutes, minutes under two hours."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
@@ -28,6 +29,7 @@ from typer.testing import CliRunner
 from kdagen import devices
 from kdagen.claims import FREE, HELD, MINE, RELEASED, STALE, Claims, is_claim
 from kdagen.cli import app
+from kdagen.schedule import Schedule, duration
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.simulate import DEFAULT_FAILURES
 from kdagen.storage import open_storage
@@ -464,3 +466,21 @@ def _no_stray_workers() -> Iterator[None]:
     import multiprocessing
 
     assert not [p for p in multiprocessing.active_children() if p.name == "kdagen-gpu-worker"]
+
+
+def test_progress_lines_estimate_the_time_left() -> None:
+    """After a few studies run here, each done line says what the rest would take at this
+    run's pace (studies left x wall time per study run here), and nothing once none is left."""
+    now = [100.0]
+    names = [f"key/b{i}" for i in range(10)]
+    schedule = Schedule(names, SimpleNamespace(beat_s=5.0), lambda name: "", print,
+                        clock=lambda: now[0])  # fmt: skip
+    now[0] += 200.0
+    assert schedule.time_left(2, 2) == ""  # too few run to tell a pace
+    now[0] += 100.0  # 3 studies in 300 s, 7 left
+    assert schedule.time_left(3, 3) == ", about 12 min left at this run's pace"
+    assert schedule.time_left(6, 3) == ", about 7 min left at this run's pace"  # 3 done elsewhere
+    assert schedule.time_left(10, 5) == ""
+    assert [duration(s) for s in (45, 119.4, 600, 7199, 9000)] == [
+        "45 s", "119 s", "10 min", "120 min", "2.5 h"
+    ]  # fmt: skip

@@ -125,6 +125,13 @@ class RenderOptions:
 # re-tunes the softplus chain studies. tests/test_compile.py compiles it.
 SOFTPLUS_ONE_TILE = False
 
+# Hopper conv trees past 8 tokens with each staged row a record that also names its parent row
+# (kdagen/dsl/tree_conv_records.py): a lag in one shared load and one address instead of the
+# chased form's two and two. Off until `kdagen check` has run its renders on a GPU; switching it
+# on re-renders the wide conv trees only (their table studies re-timed). tests/test_compile.py
+# compiles it.
+RECORD_CONV_TREES = False
+
 
 def rebase_on_demand(variant: Variant) -> bool:
     """Whether the Hopper verify ``variant`` writes its second coupling tile only in warps whose
@@ -195,6 +202,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["chased_conv"] = (
             variant.tree and variant.conv and variant.path == "sm90_wgmma" and variant.window > 8
         )
+        context["record_conv"] = context["chased_conv"] and RECORD_CONV_TREES
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context
 

@@ -314,6 +314,37 @@ def test_only_the_kernels_that_rebase_on_demand_get_the_bounded_edge_case() -> N
     assert edge(chain8) and edge(wide) and not edge(tree8) and not edge(wide_softplus)
 
 
+@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize("switched_on", ["RECORD_CONV_TREES"], indirect=True)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q16-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+        "verify-h16-q16-softplus-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+        "verify-h12-q9-tree-conv-df-bf16-i64-sm90_wgmma-t128-r1-c264-s1-pdl",
+    ],
+)
+def test_conv_trees_past_8_load_each_lag_with_its_parent(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switched_on
+) -> None:
+    """Switched on (until a GPU has checked it), a conv tree past 8 tokens loads each lag from
+    a record that also names the next one's place: fewer shared loads and instructions than the
+    chased form it replaces, no more stack, the same shared memory."""
+    variant = Variant.parse(name)
+    assert "conv_silu_tree_records(" in krender.render(variant)
+    records = kcompile.compile_variant(variant, "sm_90a", tmp_path)
+    assert records.ok, records.error
+    new = disassemble(kcompile.variant_dir(variant, tmp_path) / "sm_90a" / "kernel.cubin")
+    monkeypatch.setattr(krender, "RECORD_CONV_TREES", False)
+    krender.render.cache_clear()
+    chased = kcompile.compile_variant(variant, "sm_90a", tmp_path)
+    old = disassemble(kcompile.variant_dir(variant, tmp_path) / "sm_90a" / "kernel.cubin")
+    assert chased.ok, chased.error
+    assert records.frame_bytes <= chased.frame_bytes and records.smem_bytes == chased.smem_bytes
+    assert len(re.findall(r"\bLDS", new)) < len(re.findall(r"\bLDS", old))
+    assert new.count(";\n") < 0.98 * old.count(";\n")
+
+
 @pytest.mark.parametrize("switched_on", ["SOFTPLUS_ONE_TILE"], indirect=True)
 @pytest.mark.parametrize(
     "name",

@@ -58,12 +58,11 @@ class Schedule:
         self._waiting: tuple[str, ...] = ()
         self._index: dict[str, int] = {}  # study -> its number in this run's progress lines
         self.clock = clock
-        self._started = clock()
+        self._started = clock()  # the run starts as it is scheduled (tune.py builds, then runs)
 
     def run(self, slots: Sequence[Slot], run_one: RunOne) -> None:
         """Every study done, by a thread per slot; raises the first error of any thread."""
         self._slots = list(slots)
-        self._started = self.clock()
         ended = [threading.Event() for _ in slots]
         threads = [threading.Thread(target=self._work, args=(slot, run_one, end), daemon=True,
                                     name=f"kdagen-{slot.label}")

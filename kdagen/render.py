@@ -125,9 +125,9 @@ class RenderOptions:
 # re-tunes the softplus chain studies. tests/test_compile.py compiles it.
 SOFTPLUS_ONE_TILE = False
 
-# Hopper conv trees past 8 tokens with each staged row a record that also names its parent row
-# (kdagen/dsl/tree_conv_records.py): a lag in one shared load and one address instead of the
-# chased form's two and two. Off until `kdagen check` has run its renders on a GPU; switching it
+# Hopper conv trees past 8 tokens with each staged row one record of its q, k and v bits and its
+# parent row (kdagen/dsl/tree_conv_records.py): a lag of all three in two shared loads and one
+# address, where the chased form takes two and two for each. Off until `kdagen check` has run its renders on a GPU; switching it
 # on re-renders the wide conv trees only (their table studies re-timed). tests/test_compile.py
 # compiles it.
 RECORD_CONV_TREES = False

@@ -327,9 +327,10 @@ def test_only_the_kernels_that_rebase_on_demand_get_the_bounded_edge_case() -> N
 def test_conv_trees_past_8_load_each_lag_with_its_parent(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switched_on
 ) -> None:
-    """Switched on (until a GPU has checked it), a conv tree past 8 tokens loads each lag from
-    a record that also names the next one's place: fewer shared loads and instructions than the
-    chased form it replaces, no more stack, the same shared memory."""
+    """Switched on (until a GPU has checked it), a conv tree past 8 tokens loads each lag of q,
+    k and v from one record that also names the next one's place: fewer shared loads and at
+    least 3 % fewer instructions than the chased form it replaces, at most 8 more stack bytes
+    (the three blocks' SiLU sums live together), as many CTAs an SM."""
     variant = Variant.parse(name)
     assert "conv_silu_tree_records(" in krender.render(variant)
     records = kcompile.compile_variant(variant, "sm_90a", tmp_path)
@@ -340,9 +341,11 @@ def test_conv_trees_past_8_load_each_lag_with_its_parent(
     chased = kcompile.compile_variant(variant, "sm_90a", tmp_path)
     old = disassemble(kcompile.variant_dir(variant, tmp_path) / "sm_90a" / "kernel.cubin")
     assert chased.ok, chased.error
-    assert records.frame_bytes <= chased.frame_bytes and records.smem_bytes == chased.smem_bytes
+    assert records.frame_bytes <= chased.frame_bytes + 8
+    per_sm = 232448  # bytes of shared memory an SM gives its CTAs, 1 KiB of each reserved
+    assert per_sm // (records.smem_bytes + 1024) == per_sm // (chased.smem_bytes + 1024)
     assert len(re.findall(r"\bLDS", new)) < len(re.findall(r"\bLDS", old))
-    assert new.count(";\n") < 0.98 * old.count(";\n")
+    assert new.count(";\n") < 0.97 * old.count(";\n")
 
 
 @pytest.mark.parametrize("switched_on", ["SOFTPLUS_ONE_TILE"], indirect=True)

@@ -102,7 +102,7 @@ def _rows() -> list[VerifyBenchRow]:
                 VerifyBenchRow(
                     12, 8, False, batch, name, median, median * 0.98, median * 1.03, 3,
                     round(floor, 3), round(100 * floor / median, 1), fi,
-                    None if fi is None else 1.5, None if fi is None else 2e-3,
+                    None if fi is None else 1.5, None if fi is None else 2e-3, None if fi is None else 1e-3,
                 )
             )  # fmt: skip
     return out
@@ -353,9 +353,10 @@ def test_bench_verify_loop_with_cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -
         assert (r.median_us, r.p10_us, r.p90_us, r.sets) == (10.0, 9.5, 11.0, 2)
         assert r.floor_us == round(verify_bytes(r.batch, 2, 2) / 4e12 * 1e6, 3)
         assert r.flashinfer_us == 10.0 and r.flashinfer_spread_pct == 15.0
-        assert r.flashinfer_rel_l2 == 0.0
+        assert r.flashinfer_rel_l2 == 0.0 and r.flashinfer_corr_rel_l2 == 0.0
     no_peer = kbench.bench_verify([variant], [2], 4e12, peers=False)
     assert no_peer[0].flashinfer_us is None and no_peer[0].flashinfer_rel_l2 is None
+    assert no_peer[0].flashinfer_corr_rel_l2 is None
 
     def broken(*args):  # type: ignore[no-untyped-def]
         raise RuntimeError("no kernel image for this device\nmore")
@@ -507,6 +508,10 @@ def test_tiny_verify_sweep_with_flashinfer() -> None:
         else:
             assert r.flashinfer_us is not None and r.flashinfer_us > 0
             assert r.flashinfer_rel_l2 is not None and r.flashinfer_rel_l2 < 1e-2, load.note
+            assert (
+                r.flashinfer_corr_rel_l2 is not None
+                and r.flashinfer_corr_rel_l2 <= r.flashinfer_rel_l2
+            )
 
 
 @pytest.mark.gpu

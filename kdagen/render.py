@@ -132,6 +132,13 @@ SOFTPLUS_ONE_TILE = False
 # compiles it.
 RECORD_CONV_TREES = False
 
+# The PDL commit kernels read their slot and the layer table before griddepcontrol.wait and
+# fetch the slot's state into L2 there, under the kernel launched before them (the verify's
+# first-state prefetch, for commit). Off until `kdagen check` and the model bench have run its
+# renders on a GPU; switching it on re-renders every PDL commit kernel (their studies re-timed)
+# and adds the commit to README's rule on what the kernel before a PDL launch must not write.
+COMMIT_STATE_PREFETCH = False
+
 
 def rebase_on_demand(variant: Variant) -> bool:
     """Whether the Hopper verify ``variant`` writes its second coupling tile only in warps whose
@@ -159,6 +166,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # verify: a token tree's window; commit: the conv history along a tree's accepted path
         "tree": variant.tree,
     }
+    if variant.kernel == "commit":
+        context["prefetch_state"] = COMMIT_STATE_PREFETCH and variant.pdl
     if variant.kernel == "verify":
         context["split"] = variant.row_split
         context["stages"] = variant.stages

@@ -11,9 +11,11 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
     python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
                                          [--batches 1,16,64,256] [--top 4] [--match S]
                                          [--no-prefix-caching] [--bound no-fold]
-                                         [--space FILE]
+                                         [--prefetch-state] [--space FILE]
 
-``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
+``--prefetch-state`` builds every kernel with ``kdagen.render.COMMIT_STATE_PREFETCH`` on (each
+PDL commit fetches its state into L2 before griddepcontrol.wait); run the sweep once without and
+once with it, back to back. ``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
 added): a variant need not be in the shipped space or the table to be timed.
 """
 
@@ -75,7 +77,11 @@ def main() -> None:
     parser.add_argument("--bound", choices=["no-fold"], help="build every variant as this "
                         "measurement bound (its outputs are wrong)")  # fmt: skip
     parser.add_argument("--space", default="commit.yaml", help="the commit space to sweep")
+    parser.add_argument("--prefetch-state", action="store_true",
+                        help="build with kdagen.render.COMMIT_STATE_PREFETCH on")  # fmt: skip
     args = parser.parse_args()
+    if args.prefetch_state:
+        krender.COMMIT_STATE_PREFETCH = True  # before anything renders
     if args.bound:
         render_with(krender.RenderOptions(bound=args.bound))
     bw = bench.copy_bandwidth()

@@ -348,6 +348,32 @@ def test_conv_trees_past_8_load_each_lag_with_its_parent(
     assert new.count(";\n") < 0.97 * old.count(";\n")
 
 
+@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize("switched_on", ["COMMIT_STATE_PREFETCH"], indirect=True)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl",
+        "commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r4-pdl",
+    ],
+)
+def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
+    name: str, tmp_path: Path, switched_on
+) -> None:
+    """Switched on (until a GPU has measured it), a PDL commit reads its slot and fetches the
+    slot's state into L2 before griddepcontrol.wait, and copies it into shared memory only
+    after the wait; a commit without PDL renders as before."""
+    variant = Variant.parse(name)
+    record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
+    assert record.ok, record.error
+    sass = disassemble(kcompile.variant_dir(variant, tmp_path) / "sm_90a" / "kernel.cubin")
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
+    first = {op: next(i for i, line in enumerate(lines) if op in line)
+             for op in ("LDG", "UBLKPF", "ACQBULK", "UBLKCP")}  # fmt: skip
+    assert first["LDG"] < first["UBLKPF"] < first["ACQBULK"] < first["UBLKCP"], first
+    assert "prefetch_l2(" not in krender.render(variant.replace(pdl=False))
+
+
 @pytest.mark.parametrize("switched_on", ["SOFTPLUS_ONE_TILE"], indirect=True)
 @pytest.mark.parametrize(
     "name",

@@ -127,9 +127,9 @@ SOFTPLUS_ONE_TILE = False
 
 # Hopper conv trees past 8 tokens with each staged row one record of its q, k and v bits and its
 # parent row (kdagen/dsl/tree_conv_records.py): a lag of all three in two shared loads and one
-# address, where the chased form takes two and two for each. Off until `kdagen check` has run its renders on a GPU; switching it
-# on re-renders the wide conv trees only (their table studies re-timed). tests/test_compile.py
-# compiles it.
+# address, where the chased form takes two and two for each. Off until `kdagen check` has run
+# its renders on a GPU; switching it on re-renders the wide conv trees only (their table
+# studies re-timed). tests/test_compile.py compiles it.
 RECORD_CONV_TREES = False
 
 # The PDL commit kernels read their slot and the layer table before griddepcontrol.wait and

@@ -15,7 +15,9 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
 
 ``--prefetch-state`` builds every kernel with ``kdagen.render.COMMIT_STATE_PREFETCH`` on (each
 PDL commit fetches its state into L2 before griddepcontrol.wait); run the sweep once without and
-once with it, back to back. ``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
+once with it, back to back.
+
+``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
 added): a variant need not be in the shipped space or the table to be timed.
 """
 

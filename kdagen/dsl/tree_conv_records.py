@@ -115,13 +115,14 @@ def conv_silu_tree_records(
                     acc = cute.math.fma(value, taps[x, j], acc)
                 doubts[x] = conv_output(raw, x, t, acc, pres[x], doubts[x], lean)
     else:
+        ws = [[bf16_broadcast(taps[x, j // 2], j % 2) for j in range(4)] for x in range(3)]
         for t in cutlass.range_constexpr(0, window, 2):
             pair = cutlass.const_expr(t + 1 < window)
             lags = chase_lags(scratch, t)
             partner = chase_lags(scratch, t + 1) if pair else lags  # the odd window's last
             for x in cutlass.range_constexpr(3):
                 word, half = BLOCK_HALVES[x]
-                w = [bf16_broadcast(taps[x, j // 2], j % 2) for j in range(4)]
+                w = ws[x]
                 products = []
                 for j in cutlass.range_constexpr(3):
                     lo, hi = lags[2 - j][word], partner[2 - j][word]

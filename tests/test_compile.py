@@ -348,14 +348,17 @@ def test_conv_trees_past_8_load_each_lag_with_its_parent(
     assert new.count(";\n") < 0.97 * old.count(";\n")
 
 
+PREFETCHING_COMMITS = (
+    "commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl",
+    "commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r4-pdl",
+)
+
+
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
-@pytest.mark.parametrize("switched_on", ["COMMIT_STATE_PREFETCH"], indirect=True)
 @pytest.mark.parametrize(
-    "name",
-    [
-        "commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl",
-        "commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r4-pdl",
-    ],
+    ("switched_on", "name"),
+    [("COMMIT_STATE_PREFETCH", name) for name in PREFETCHING_COMMITS],
+    indirect=["switched_on"],
 )
 def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
     name: str, tmp_path: Path, switched_on

@@ -49,6 +49,7 @@ class StudyResult:
     efficiency: dict[str, Any] | None = None
     failure_kinds: dict[str, int] = field(default_factory=dict)
     scored: list[str] = field(default_factory=list)  # every variant measured (or failed)
+    refreshed: bool = False  # re-timed its leaders after a kernel change (tune --refresh)
 
     @property
     def speedup(self) -> float | None:
@@ -68,6 +69,7 @@ def result_of(study: optuna.Study) -> StudyResult:
         candidates=int(attrs.get("candidates", 0)), failures=failures,
         final=dict(attrs.get("final") or {}), wall_s=float(attrs.get("wall_s", 0.0)),
         efficiency=attrs.get("efficiency"), failure_kinds=dict(kinds), scored=sorted(scored),
+        refreshed=bool(attrs.get("refresh_set")),
     )  # fmt: skip
 
 
@@ -152,7 +154,7 @@ def winners(results: Sequence[StudyResult]) -> list[dict[str, Any]]:
     return [
         {"key": r.key, "batch": r.batch, "workloads": r.workloads, "trials": r.trials,
          "candidates": r.candidates, "wall_s": r.wall_s, **r.final, "failures": r.failures,
-         "efficiency": r.efficiency}
+         "efficiency": r.efficiency} | ({"refreshed": True} if r.refreshed else {})
         for r in sorted(results, key=lambda r: (r.key, r.batch))
     ]  # fmt: skip
 
@@ -248,7 +250,9 @@ def report_md(
         f"- Studies (contract key x batch bucket): {len(results)}; trials per study (distinct "
         f"candidates scored): median {fmt(statistics.median(trials) if trials else None, 'g')}, "
         f"min {min(trials, default=0)}, max {max(trials, default=0)}, of "
-        f"{max((r.candidates for r in results), default=0)} candidates at most.",
+        f"{max((r.candidates for r in results), default=0)} candidates at most"
+        + refreshed_note(results)
+        + ".",
         "- Failed candidates by reason (per study, a variant failing everywhere counts in each): "
         + (", ".join(f"{k} {n}" for k, n in kinds.most_common()) or "none")
         + ".",
@@ -299,6 +303,15 @@ def efficiency_md(results: Sequence[StudyResult]) -> list[str]:
     return lines
 
 
+def refreshed_note(results: Sequence[StudyResult]) -> str:
+    """The summary's word on studies re-timed after a kernel change instead of searched."""
+    n = sum(r.refreshed for r in results)
+    if not n:
+        return ""
+    return (f"; {n} refreshed after a kernel change (their leaders, finalists and default timed "
+            "again, no new search: a run without --refresh completes them)")  # fmt: skip
+
+
 def key_md(key: str, rows: Sequence[StudyResult]) -> list[str]:
     rows = sorted(rows, key=lambda r: r.batch)
     workloads = sorted({w for r in rows for w in r.workloads})
@@ -320,7 +333,8 @@ def key_md(key: str, rows: Sequence[StudyResult]) -> list[str]:
             f"`{short_name(f.get('default'), key)}` | {fmt(f.get('default_us'))} | "
             f"{fmt(r.speedup, '.3f')}x | {fmt(f.get('margin_runner_up_pct'), '+.1f')} % | "
             f"{fmt(f.get('margin_default_pct'), '+.1f')} % | {fmt(f.get('noise_pct'), '.1f')} % | "
-            f"{f.get('pick', '-')} | {fmt(floor)} | {fmt(pct_floor, '.0f')} | {r.trials} | "
+            f"{f.get('pick', '-')} | {fmt(floor)} | {fmt(pct_floor, '.0f')} | "
+            f"{r.trials}{' (refreshed)' if r.refreshed else ''} | "
             f"{len(r.failures)} |"
         )
     failures = sorted({(n, why) for r in rows for n, why in r.failures.items()})

@@ -28,6 +28,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from kdagen.search import recorded
+
 
 class TuneError(RuntimeError):
     """The run cannot start or go on (a storage of another GPU, no GPU worker); the message
@@ -234,6 +236,22 @@ def grown_study(
             or not set(names) < set(planned)):  # fmt: skip
         return None
     return optuna.load_study(study_name=name, storage=storage)
+
+
+def refresh_set(
+    storage: optuna.storages.BaseStorage, name: str, space_hash: str, stamp: Stamp, top: int
+) -> list[str] | None:
+    """What ``kdagen tune --refresh`` times again of study ``name`` when only its kernels
+    changed (same GPU and candidates): its ``top`` best candidates by score and the configs
+    its final re-timed. None when it is not such a study or scored nothing."""
+    study_id, attrs = _stored(storage, name)
+    if (study_id is None or attrs.get("space") != space_hash or foreign(attrs, stamp)
+            or staleness(attrs, stamp) is None):  # fmt: skip
+        return None
+    scored = recorded(optuna.load_study(study_name=name, storage=storage))
+    best = sorted((o.value, n) for n, o in scored.items() if o.ok)
+    timed = (attrs.get("final") or {}).get("times") or {}
+    return sorted({n for _, n in best[:top]} | set(timed)) or None
 
 
 def _stored(storage: optuna.storages.BaseStorage, name: str) -> tuple[int | None, dict[str, Any]]:

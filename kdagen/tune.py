@@ -77,6 +77,7 @@ from kdagen.studies import (
     grown_study,
     keep_if_same_machine,
     make_stamp,
+    refresh_set,
     restart_stale,
     stale_studies,
 )
@@ -86,6 +87,10 @@ __all__ = ["TuneError", "TuneOptions", "TuneResult", "StudyPlan", "plan_studies"
 
 # Contract fields a kernel never reads, so any workload value matches (variant.py's rules).
 IGNORED_BY_KERNEL = {"commit": ("conv", "conv_layout", "conv_weight_dtype")}
+# ``--refresh``: a study whose kernels changed times again its best this many candidates (and
+# its finalists and the default) instead of searching anew. Finals take the top three, so
+# three more leave room for a change that reorders the leaders.
+REFRESH_TOP = 6  # (kdagen tune --help says six)
 
 
 @dataclass
@@ -109,6 +114,7 @@ class TuneOptions:
     devices: str = devices.ALL  # the GPUs: "all" (every visible one) or indices "0,2"
     claim_timeout_s: float = STALE_S  # a silent process's claim is taken over after this
     checked: tuple[Path, ...] = ()  # kdagen check --json files: what passed is not checked again
+    refresh: bool = False  # studies whose kernels changed: re-time their leaders, no new search
 
 
 # ---- the plan ----
@@ -298,6 +304,7 @@ def _run(
     def run_one(slot: Slot, claim: Claim, label: str) -> None:
         plan, batch = planned[claim.study]
         carried = None  # what a study whose candidates only grew measured, for its successor
+        refresh = None  # what --refresh times again of a study whose kernels changed
         # by its holder only: kept where a refactor compiled to the same code or the candidates
         # only grew, else restarted
         if claim.study in stale and keep_if_same_machine(
@@ -313,6 +320,13 @@ def _run(
             carried = (recorded(grown), grown.user_attrs.get("wall_s", 0.0))
             echo(f"[{label}{claim.study}] kept: its candidates only grew; the new ones are "
                  "measured and the finals re-timed")  # fmt: skip
+        elif (
+            claim.study in stale
+            and options.refresh
+            and (refresh := refresh_set(storage, claim.study, plan.space_hash, stamp, REFRESH_TOP))
+        ):
+            echo(f"[{label}{claim.study}] refreshed: its kernels changed; its {len(refresh)} "
+                 "leaders and the default are measured again, no new search")  # fmt: skip
         restart_stale(storage, {claim.study: plan.space_hash}, stamp)
         # What this key's other studies checked (other processes' included), read by name.
         names = [plan.study_name(b) for b in plan.batches]
@@ -321,7 +335,8 @@ def _run(
         ev = CandidateEvaluator(compiler, slot.worker, ledger, progress, options.timeout_s,
                                 options.seed, guard=lambda: schedule.guard(claim))  # fmt: skip
         try:
-            run_study(ev, storage, plan, batch, stamp, options, default_for, label, carried)
+            run_study(ev, storage, plan, batch, stamp, options, default_for, label, carried,
+                      refresh)  # fmt: skip
         except WorkerFailure as failure:  # only a worker that cannot start again gets here
             where = f"{slot.label}: " if len(slots) > 1 else ""
             raise TuneError(where + failure.reason) from None
@@ -372,7 +387,7 @@ def _finished(study: optuna.Study, plan: StudyPlan, options: TuneOptions) -> boo
     final = attrs.get("final") or {}
     n = len(plan.candidates)
     scored = len(recorded(study))
-    return (attrs.get("space") == plan.space_hash and scored >= _budget(n, options)
+    return (attrs.get("space") == plan.space_hash and scored >= _study_budget(attrs, n, options)
             and final.get("scored") == scored
             and final.get("rounds") == options.rounds and final.get("pick_rule") == PICK_RULE
             and (scored < n or "efficiency" in attrs)
@@ -382,6 +397,13 @@ def _finished(study: optuna.Study, plan: StudyPlan, options: TuneOptions) -> boo
 def _budget(candidates: int, options: TuneOptions) -> int:
     """Candidates a study scores: all of them (``exhaustive``), else ``trials`` at most."""
     return candidates if options.exhaustive else min(options.trials, candidates)
+
+
+def _study_budget(attrs: dict[str, Any], candidates: int, options: TuneOptions) -> int:
+    """``_budget``, except under ``refresh`` for a refreshed study: its refresh set. Without
+    ``refresh`` a refreshed study's search goes on to the full budget."""
+    refreshed = attrs.get("refresh_set") if options.refresh else None
+    return len(refreshed) if refreshed else _budget(candidates, options)
 
 
 def _say_restarts(stale: dict[str, str], echo: Callable[[str], None]) -> None:
@@ -399,7 +421,8 @@ def _goal(checkout: str, plan: StudyPlan, options: TuneOptions) -> str:
     a process with the same goal takes it as done; one with another runs it again (more
     trials, say)."""
     budget = _budget(len(plan.candidates), options)
-    text = json.dumps([checkout, plan.space_hash, budget, options.rounds, PICK_RULE])
+    goal = [checkout, plan.space_hash, budget, options.rounds, PICK_RULE]
+    text = json.dumps(goal + ["refresh"] if options.refresh else goal)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -413,10 +436,13 @@ def run_study(
     default_for: Callable[[Variant, int], Variant] | None = None,
     label: str = "",
     carried: tuple[dict[str, Outcome], float] | None = None,
+    refresh: Sequence[str] | None = None,
 ) -> None:
     """One (contract key, batch bucket) study: trials until the budget, then the finals.
     ``label`` starts its progress lines (which study of how many, on which GPU); ``carried``:
-    the scores and wall time of the study it replaces, whose candidates only grew."""
+    the scores and wall time of the study it replaces, whose candidates only grew;
+    ``refresh``: the candidates of the study it replaces to score, and no others (under
+    ``options.refresh``, kept in the study's ``refresh_set`` for a resumed run)."""
     name = plan.study_name(batch)
     space = SearchSpace(plan.candidates)
     study = optuna.create_study(
@@ -431,8 +457,15 @@ def run_study(
     # What the run-time runs for this key untuned: its heuristic, kept inside the space.
     default = nearest_point((default_for or ev.default)(plan.candidates[0], batch),
                             space.by_name)  # fmt: skip
-    budget = _budget(len(space.candidates), options)
-    enqueue(study, space, [default, *plan.candidates] if options.exhaustive else [default])
+    if refresh and not study.trials:
+        study.set_user_attr("refresh_set", sorted({*refresh, default.name}))
+    chosen = study.user_attrs.get("refresh_set") if options.refresh else None
+    budget = _study_budget(study.user_attrs, len(space.candidates), options)
+    if chosen:
+        first = [default, *(space.by_name[n] for n in chosen if n in space.by_name)]
+    else:
+        first = [default, *plan.candidates] if options.exhaustive else [default]
+    enqueue(study, space, first)
     started = time.perf_counter()
     best = [(o.value, name) for name, o in recorded(study).items() if o.ok]
 
@@ -455,6 +488,8 @@ def run_study(
         )
     else:
         _pick_under_current_rule(study)
+    if not chosen and study.user_attrs.get("refresh_set") and len(recorded(study)) >= budget:
+        study.set_user_attr("refresh_set", None)  # searched in full since it was refreshed
     measured_all = set(recorded(study)) >= set(space.by_name)
     replayed = study.user_attrs.get("efficiency", False)  # None: nothing succeeded
     if measured_all and (

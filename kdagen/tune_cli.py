@@ -70,6 +70,13 @@ def tune(
         help="kdagen check --json files: a candidate that passed there at the kernel it "
         "renders to now is timed without checking it again (a sharded check first is faster)",
     ),
+    refresh: bool = typer.Option(
+        False,
+        help="a study whose kernels changed since it was measured (same GPU and candidates) "
+        "checks and times again only its 6 best candidates, its finalists and the default, "
+        "then re-picks: a re-tune after a kernel fix in a fraction of the time; a later run "
+        "without --refresh completes its search",
+    ),
     simulate: bool = typer.Option(
         False,
         hidden=True,
@@ -96,7 +103,8 @@ def tune(
     result = _run_tuner("tune", run, simulate, space, workloads=workloads, trials=trials or 32,
                         exhaustive=exhaustive, storage=storage, out=out, match=match, jobs=jobs,
                         timeout_s=timeout, rounds=rounds, seed=seed, devices=devices,
-                        claim_timeout_s=claim_timeout, checked=tuple(checked or ()))  # fmt: skip
+                        claim_timeout_s=claim_timeout, checked=tuple(checked or ()),
+                        refresh=refresh)  # fmt: skip
     typer.echo(summary_table(result.results, result.simulated))
     typer.echo(f"wrote {result.folder} (dispatch.json, winners.json, report.md, plots/)")
 

@@ -602,6 +602,49 @@ def test_a_refactor_that_compiles_to_the_same_code_keeps_its_studies(
                            krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
 
 
+def test_refresh_times_again_only_the_leaders_of_studies_whose_kernels_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an edit that changes the code, ``--refresh`` checks and times each study's six best
+    candidates, finalists and default again (no new search), marks the study refreshed in the
+    report and winners, and leaves a fresh table; a later run without it completes the search."""
+    path = tmp_path / "workloads.yaml"
+    path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1, 64]}\n")
+    opts = options(tmp_path, path, simulate={}, match="q1-i32", trials=10)
+    run(opts, lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    leaders = {}
+    for name, study in studies_of(folder).items():
+        best = sorted((o.value, n) for n, o in recorded(study).items() if o.ok)
+        leaders[name] = {n for _, n in best[:6]} | set(study.user_attrs["final"]["times"])
+        leaders[name].add(DEFAULT)
+        assert len(recorded(study)) == 10 and len(leaders[name]) < 10
+    original = krender.render
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
+    said: list[str] = []
+    run(options(tmp_path, path, simulate={}, match="q1-i32", trials=10, refresh=True),
+        said.append, fixed_default)  # fmt: skip
+    refreshed = studies_of(folder)
+    for name, study in refreshed.items():
+        assert sorted(scored_names(study)) == sorted(leaders[name])  # each once, nothing else
+        assert study.user_attrs["final"]["winner"] in leaders[name]
+    assert sum("refreshed: its kernels changed" in s for s in said) == 2
+    table = dispatch.load_table(folder)
+    assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
+                           krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
+    report = (folder / "report.md").read_text()
+    assert "2 refreshed after a kernel change" in report and "(refreshed) |" in report
+    assert all(w["refreshed"] for w in json.loads((folder / "winners.json").read_text()))
+    again: list[str] = []  # resumed with --refresh: nothing left to measure
+    run(options(tmp_path, path, simulate={}, match="q1-i32", trials=10, refresh=True),
+        again.append, fixed_default)  # fmt: skip
+    assert any("2 of 2 studies already complete" in s for s in again)
+    run(opts, lambda s: None, fixed_default)  # without --refresh: the search goes on
+    for study in studies_of(folder).values():
+        assert len(recorded(study)) == 10 and not study.user_attrs.get("refresh_set")
+    assert "refreshed" not in (folder / "report.md").read_text()
+
+
 def test_restamp_carries_a_refactor_without_a_gpu_and_refuses_a_code_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -707,7 +750,7 @@ def test_tune_help_lists_the_options() -> None:
     result = runner.invoke(app, ["tune", "--help"])
     assert result.exit_code == 0
     for option in ("--trials", "--exhaustive", "--storage", "--out", "--workloads", "--space",
-                   "--repick", "--devices", "--claim-timeout"):  # fmt: skip
+                   "--repick", "--devices", "--claim-timeout", "--refresh"):  # fmt: skip
         assert option in result.output
     assert "--simulate" not in result.output  # for tests and CI only
 

@@ -125,13 +125,6 @@ class RenderOptions:
 # re-tunes the softplus chain studies. tests/test_compile.py compiles it.
 SOFTPLUS_ONE_TILE = False
 
-# Hopper conv trees past 8 tokens with each staged row one record of its q, k and v bits and its
-# parent row (kdagen/dsl/tree_conv_records.py): a lag of all three in two shared loads and one
-# address, where the chased form takes two and two for each. Off until `kdagen check` has run
-# its renders on a GPU; switching it on re-renders the wide conv trees only (their table
-# studies re-timed). tests/test_compile.py compiles it.
-RECORD_CONV_TREES = False
-
 # The PDL commit kernels read their slot and the layer table before griddepcontrol.wait and
 # fetch the slot's state into L2 there, under the kernel launched before them (the verify's
 # first-state prefetch, for commit). Off until `kdagen check` and the model bench have run its
@@ -201,17 +194,17 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # Hopper conv trees of 5 to 8 tokens load their lags from shared memory (a row of the
         # projections' buffer holds the 6 (Q + 3) bytes), kdagen/dsl/tree_conv_staged.py;
         # shorter windows keep the selects (fewer lags); longer ones (staging spills there)
-        # load them by indexes chased through a per-thread table (kdagen/dsl/tree_conv_chased.py).
+        # load each lag of q, k and v from one record that names the next one's place
+        # (kdagen/dsl/tree_conv_records.py).
         context["staged_conv"] = (
             variant.tree
             and variant.conv
             and variant.path == "sm90_wgmma"
             and 5 <= variant.window <= 8
         )
-        context["chased_conv"] = (
+        context["record_conv"] = (
             variant.tree and variant.conv and variant.path == "sm90_wgmma" and variant.window > 8
         )
-        context["record_conv"] = context["chased_conv"] and RECORD_CONV_TREES
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context
 

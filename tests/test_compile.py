@@ -43,7 +43,7 @@ def test_no_variant_spills_or_uses_local_memory(records) -> None:
     representative sm100 variants to have none, in the cubin and in the SASS. The Hopper
     verify past 8 tokens runs at the 255-register ceiling: its trees park up to 16 bytes, its
     conv chains up to 32 (H 16 Q 15 softplus, dim-first fp32 taps) and its conv trees up to 40
-    (H 16 Q 16 softplus, dim-first fp32 taps, lags by chased indexes; the trees parked 88
+    (H 16 Q 16 softplus, dim-first fp32 taps, lags from records; the trees parked 88
     before their root paths moved to shared memory), bounded at WIDE_FRAME_BYTES."""
     commit = [
         (r.variant, r.arch, r.frame_bytes)
@@ -244,17 +244,17 @@ def test_the_commit_without_prefix_caching_frees_registers(name: str, cache: Pat
         ("verify-h12-q8-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c396-s1-pdl", "staged", 8),
         ("verify-h8-q8-softplus-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c396-s1-pdl", "staged", 8),
         ("verify-h12-q5-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c396-s1-pdl", "staged", 8),
-        ("verify-h12-q16-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "chased", WIDE_FRAME_BYTES),
-        ("verify-h12-q9-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "chased", WIDE_FRAME_BYTES),
+        ("verify-h12-q16-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "records", WIDE_FRAME_BYTES),
+        ("verify-h12-q9-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c264-s1-pdl", "records", WIDE_FRAME_BYTES),
     ],
 )  # fmt: skip
 def test_the_conv_trees_without_selects_compile(
     name: str, helper: str, frame: int, cache: Path
 ) -> None:
     """The conv trees whose lags are loaded, not selected: staged in shared memory at 5 to 8
-    tokens (the 8 stack bytes a verify may park), by chased indexes past 8 (the wide verify's
-    stack bound); either way the grid bound's resident CTAs fit an SM's registers and shared
-    memory. Each tap dtype's kernel takes its helper and compiles."""
+    tokens (the 8 stack bytes a verify may park), from records that name their parents past 8
+    (the wide verify's stack bound); either way the grid bound's resident CTAs fit an SM's
+    registers and shared memory. Each tap dtype's kernel takes its helper and compiles."""
     variant = Variant.parse(name)
     source = krender.render(variant)
     assert f"from kdagen.dsl.tree_conv_{helper} import conv_silu_tree_{helper}" in source
@@ -312,40 +312,6 @@ def test_only_the_kernels_that_rebase_on_demand_get_the_bounded_edge_case() -> N
     wide = "verify-h12-q16-i32-sm90_wgmma-t128-r1-c264-s1-pdl"
     wide_softplus = "verify-h16-q16-softplus-i32-sm90_wgmma-t128-r1-c264-s1-pdl"
     assert edge(chain8) and edge(wide) and not edge(tree8) and not edge(wide_softplus)
-
-
-@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
-@pytest.mark.parametrize("switched_on", ["RECORD_CONV_TREES"], indirect=True)
-@pytest.mark.parametrize(
-    "name",
-    [
-        "verify-h12-q16-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
-        "verify-h16-q16-softplus-tree-conv-df-fp32-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
-        "verify-h12-q9-tree-conv-df-bf16-i64-sm90_wgmma-t128-r1-c264-s1-pdl",
-    ],
-)
-def test_conv_trees_past_8_load_each_lag_with_its_parent(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switched_on
-) -> None:
-    """Switched on (until a GPU has checked it), a conv tree past 8 tokens loads each lag of q,
-    k and v from one record that also names the next one's place: fewer shared loads and at
-    least 3 % fewer instructions than the chased form it replaces, at most 8 more stack bytes
-    (the three blocks' SiLU sums live together), as many CTAs an SM."""
-    variant = Variant.parse(name)
-    assert "conv_silu_tree_records(" in krender.render(variant)
-    records = kcompile.compile_variant(variant, "sm_90a", tmp_path)
-    assert records.ok, records.error
-    new = disassemble(kcompile.variant_dir(variant, tmp_path) / "sm_90a" / "kernel.cubin")
-    monkeypatch.setattr(krender, "RECORD_CONV_TREES", False)
-    krender.render.cache_clear()
-    chased = kcompile.compile_variant(variant, "sm_90a", tmp_path)
-    old = disassemble(kcompile.variant_dir(variant, tmp_path) / "sm_90a" / "kernel.cubin")
-    assert chased.ok, chased.error
-    assert records.frame_bytes <= chased.frame_bytes + 8
-    per_sm = 232448  # bytes of shared memory an SM gives its CTAs, 1 KiB of each reserved
-    assert per_sm // (records.smem_bytes + 1024) == per_sm // (chased.smem_bytes + 1024)
-    assert len(re.findall(r"\bLDS", new)) < len(re.findall(r"\bLDS", old))
-    assert new.count(";\n") < 0.97 * old.count(";\n")
 
 
 PREFETCHING_COMMITS = (

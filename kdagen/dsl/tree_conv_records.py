@@ -1,15 +1,15 @@
 """A token tree's fused convolution past 8 tokens with each lag of q, k and v and the place of
 the next one loaded together (docs/tree-semantics.md).
 
-``tree_conv_chased`` keeps a table of parent rows beside the staged rows and takes a lag in
-two shared loads (the row's bits, then its parent's row) and two address computations, once
-per channel block. Here each staged row is one 8-byte record in this thread's bytes of shared
-memory: its q and k bits in the first word, its v bits and its parent row's byte offset in the
-second (a token's parent token, or the newest history row at a root; a history row's older
-one, row 0's itself). Lag l of token t is the record l - 1 parents above t's parent: one
-address and two loads a lag for all three blocks, the chase run once a token. The records are
-written once a unit, before any output overwrites its raw row. The products, sums and
-rounding are ``conv_silu_tree``'s, so the outputs are its bits.
+Each staged row is one 8-byte record in this thread's bytes of shared memory: its q and k
+bits in the first word, its v bits and its parent row's byte offset in the second (a token's
+parent token, or the newest history row at a root; a history row's older one, row 0's
+itself). Lag l of token t is the record l - 1 parents above t's parent: one address and two
+loads a lag for all three blocks, the chase run once a token. The records are written once a
+unit, before any output overwrites its raw row. The products, sums and rounding are
+``conv_silu_tree``'s, so the outputs are its bits. (docs/history/trees.md measures it against
+the table of chased parent indexes it replaced: 2-6 % fewer instructions, the trees 1-6 %
+faster.)
 """
 
 from __future__ import annotations

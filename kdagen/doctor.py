@@ -63,6 +63,9 @@ class Diagnosis:
             out.append(f"    ... and {len(self.fallbacks) - most} more")
         verdict = {SERVED: "nothing to re-tune", FALLS_BACK: "served with fallbacks: tune the "
                    "missing studies", UNSERVED: "re-tune: `kdagen tune`"}  # fmt: skip
+        if self.stale and not self.borrowed_from:  # this GPU's own studies can be re-timed
+            verdict[UNSERVED] += (" (`--refresh`: each study whose kernels changed times "
+                                  "again only its leaders)")  # fmt: skip
         out.append(f"exit {self.code}: {verdict[self.code]}")
         return out
 

@@ -121,6 +121,7 @@ def test_no_table_for_the_architecture_or_a_stale_one_exits_3(generated: Path,
     code, out = doctor(H200, workloads)
     assert code == 3, out
     assert "commit: STALE, refused at run time: the commit kernels it measured changed" in out
+    assert "exit 3: re-tune: `kdagen tune` (`--refresh`: each study whose kernels" in out
 
 
 def test_doctor_without_a_gpu_or_fingerprint_says_what_to_pass() -> None:

@@ -119,6 +119,11 @@ def regenerate(
     ),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
     rounds: int = typer.Option(5, min=1, help="interleaved re-timing rounds of the finalists"),
+    refresh: bool = typer.Option(
+        False,
+        help="studies whose kernels changed time again only their leaders (kdagen tune "
+        "--refresh); the rest of the table as without it",
+    ),
     simulate: bool = typer.Option(
         False,
         hidden=True,
@@ -133,7 +138,8 @@ def regenerate(
     from kdagen.regenerate import regenerate as run_regenerate
 
     done = _run_tuner("regenerate", run_regenerate, simulate, space, workloads=workloads,
-                      exhaustive=True, out=out, jobs=jobs, rounds=rounds)  # fmt: skip
+                      exhaustive=True, out=out, jobs=jobs, rounds=rounds,
+                      refresh=refresh)  # fmt: skip
     if done.tuned is None:
         return
     typer.echo(f"wrote {done.tuned.folder} ({len(done.checks)} winners checked, "

@@ -56,6 +56,26 @@ def test_missing_then_fresh_then_stale(tmp_path: Path) -> None:
     assert json.loads((folder / "dispatch.json").read_text())["render_hashes"]["commit"] != "0" * 16
 
 
+def test_refresh_re_times_only_the_leaders_after_a_kernel_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kdagen regenerate --refresh`` after an edit that changes every commit kernel: the table
+    is served again, each study timed again only its leaders (fewer than its candidates)."""
+    from kdagen import render as krender
+
+    opts = options(tmp_path)
+    folder = tmp_path / "gen" / FINGERPRINT
+    regenerate(opts, echo=lambda line: None)
+    original = krender.render
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
+    opts.refresh = True
+    done = regenerate(opts, echo=lambda line: None)
+    assert done.before.code == UNSERVED and "commit" in done.before.stale
+    assert done.after is not None and done.after.code == SERVED and not done.failed
+    winners = json.loads((folder / "winners.json").read_text())
+    assert winners and all(w.get("refreshed") and w["trials"] < w["candidates"] for w in winners)
+
+
 @pytest.mark.skipif(shutil.which("actionlint") is None, reason="actionlint not installed")
 def test_the_workflow_passes_actionlint() -> None:
     done = subprocess.run(["actionlint", str(WORKFLOW)], capture_output=True, text=True)

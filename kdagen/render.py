@@ -196,15 +196,9 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # shorter windows keep the selects (fewer lags); longer ones (staging spills there)
         # load each lag of q, k and v from one record that names the next one's place
         # (kdagen/dsl/tree_conv_records.py).
-        context["staged_conv"] = (
-            variant.tree
-            and variant.conv
-            and variant.path == "sm90_wgmma"
-            and 5 <= variant.window <= 8
-        )
-        context["record_conv"] = (
-            variant.tree and variant.conv and variant.path == "sm90_wgmma" and variant.window > 8
-        )
+        loaded_lags = variant.tree and variant.conv and variant.path == "sm90_wgmma"
+        context["staged_conv"] = loaded_lags and 5 <= variant.window <= 8
+        context["record_conv"] = loaded_lags and variant.window > 8
         context["conv_f32"] = variant.conv and variant.conv_weight_dtype == "fp32"
     return context
 

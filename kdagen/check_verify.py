@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kdagen import first_use, reference
+from kdagen import first_use, reference, render
 from kdagen.emulate import relative_errors
 from kdagen.render import rebase_on_demand
 from kdagen.serve.contract import max_log_decay
@@ -25,10 +25,12 @@ from kdagen.serve.variant import Variant
 from kdagen.testing import (
     bits,
     clone_inputs,
+    in_contract,
     random_parents,
     verify_args,
     verify_inputs_for,
     verify_write_masks,
+    with_rows_outside,
 )
 
 first_use.enable()  # the launches here compile their kernels on first use
@@ -62,6 +64,9 @@ class VerifyCase:
     # The bounded gate at the contract's deepest log decay: every gate saturated at a
     # lower_bound of -max_log_decay(Q) / Q.
     deepest: bool = False
+    # Windows and accepted counts outside the token rows and 1..Q, poisoned rows around out
+    # (kdagen.testing.with_rows_outside): compared with the contract values they are cut to.
+    rows_outside: bool = False
 
 
 VERIFY_CASES = (
@@ -81,6 +86,8 @@ OUTSIDE_CASES = (
     VerifyCase("outside-pool", 12, outside=True),
     VerifyCase("null-below-pool", 12, null_slot=-4, outside=True),
 )
+# Index values outside their tensors (render.VERIFY_ROW_BOUNDS): the kernels cut them.
+ROWS_OUTSIDE_CASES = (VerifyCase("rows-outside", 12, nulls=False, rows_outside=True),)
 # A tree variant's extra cases (its other cases run on random trees).
 TREE_CASES = (
     VerifyCase("tree-chain", 24, shape="chain"),
@@ -107,6 +114,7 @@ def cases_for(variant: Variant) -> tuple[VerifyCase, ...]:
         VERIFY_CASES
         + (SOFTPLUS_CASES if variant.gate == "softplus" else ())
         + OUTSIDE_CASES
+        + (ROWS_OUTSIDE_CASES if render.VERIFY_ROW_BOUNDS else ())
         + (TREE_CASES if variant.tree else ())
         + (WIDE_KDA_CASES if variant.window > 8 and variant.gate == "kda" else ())
         + (WIDE_SOFTPLUS_CASES if variant.window > 8 and variant.gate == "softplus" else ())
@@ -182,7 +190,7 @@ def case_inputs(variant: Variant, case: VerifyCase, seed: int) -> dict[str, Any]
         chain = random_parents(inputs["qlen"], torch.Generator(), chain=True)
         shaped = chain if case.shape == "chain" else chain.clamp(max=0)  # star: -1, 0, 0, ...
         inputs["parents"].copy_(shaped)
-    return inputs
+    return with_rows_outside(inputs) if case.rows_outside else inputs
 
 
 def run_kernel(inputs: dict[str, Any], variant: Variant, counter: torch.Tensor) -> None:
@@ -192,8 +200,9 @@ def run_kernel(inputs: dict[str, Any], variant: Variant, counter: torch.Tensor) 
 
 
 def expected_outputs(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The fp64 reference on a copy: out/corr unrounded (fp64 buffers), kg and conv in bf16."""
-    ref = clone_inputs(inputs)
+    """The fp64 reference on a copy: out/corr unrounded (fp64 buffers), kg and conv in bf16;
+    index values outside the contract as the kernels cut them."""
+    ref = clone_inputs(in_contract(inputs))
     ref["out"] = torch.zeros(ref["out"].shape, dtype=torch.float64, device=ref["out"].device)
     ref["corr"] = torch.zeros(ref["corr"].shape, dtype=torch.float64, device=ref["out"].device)
     reference.verify(verify_args(ref), compute_dtype=torch.float64)
@@ -242,7 +251,7 @@ def prepared_case(variant: Variant, case: VerifyCase, seed: int) -> PreparedCase
 
 def _compare(result: VerifyCaseResult, inputs: dict[str, Any], ref: dict[str, Any],
              start: dict[str, torch.Tensor]) -> None:  # fmt: skip
-    masks = verify_write_masks(inputs)
+    masks = verify_write_masks(ref)  # the index values inside the contract
     for name in ("out", "corr"):
         errors = relative_errors(inputs[name][masks[name]], ref[name][masks[name]])
         setattr(result, f"{name}_rel_l2", errors["rel_l2"])

@@ -132,6 +132,22 @@ SOFTPLUS_ONE_TILE = False
 # and adds the commit to README's rule on what the kernel before a PDL launch must not write.
 COMMIT_STATE_PREFETCH = False
 
+# Verify kernels that cut the rows named by device values to their tensors: each window to rows
+# [0, T), the conv history's first row to [0, Q - 1] (kdagen/dsl/bounds.py). Without it a start
+# past T writes `out` rows past the tensor and a bad accepted count reads conv rows outside the
+# slot. Off until `kdagen check` (its `rows-outside` case included) has run every verify render
+# on a GPU and the verify studies are re-timed: it re-renders every verify kernel.
+VERIFY_ROW_BOUNDS = False
+
+# PDL verify kernels that fetch their first state only into L2 before griddepcontrol.wait and
+# copy it into shared memory after the wait. A commit launched right before a verify lets it
+# start while the commit still writes the states, and only the wait makes those writes visible
+# (L2 is the point of coherence, so the prefetched line is updated; a TMA load into shared
+# memory before the wait can read the old state). Off, and switched on with VERIFY_ROW_BOUNDS
+# (the same re-render, check and re-tune); until then README says not to launch commit right
+# before verify.
+VERIFY_STATE_AFTER_WAIT = False
+
 
 def rebase_on_demand(variant: Variant) -> bool:
     """Whether the Hopper verify ``variant`` writes its second coupling tile only in warps whose
@@ -162,6 +178,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     if variant.kernel == "commit":
         context["prefetch_state"] = COMMIT_STATE_PREFETCH and variant.pdl
     if variant.kernel == "verify":
+        context["row_bounds"] = VERIFY_ROW_BOUNDS
+        context["state_after_wait"] = VERIFY_STATE_AFTER_WAIT and variant.pdl
         context["split"] = variant.row_split
         context["stages"] = variant.stages
         context["pdl"] = variant.pdl

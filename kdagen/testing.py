@@ -8,6 +8,7 @@ hold the poison (or, for buffers with real data such as the state pool, its old 
 from __future__ import annotations
 
 from dataclasses import fields
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "clone_inputs",
     "commit_args",
     "commit_write_mask",
+    "in_contract",
     "is_poisoned",
     "make_verify_inputs",
     "path_records",
@@ -32,6 +34,7 @@ __all__ = [
     "untouched_mask",
     "verify_args",
     "verify_write_masks",
+    "with_rows_outside",
 ]
 
 # Integer dtype of the same width, for bitwise views.
@@ -227,6 +230,75 @@ def make_verify_inputs(
         rows = inputs["conv_state"]
         inputs["conv_state"], inputs["conv_guard"] = rows[:num_slots], poison_(rows[num_slots:])
     return inputs
+
+
+# Poisoned rows on each side of ``out`` in ``with_rows_outside``'s inputs.
+OUT_GUARD_ROWS = 4
+# Accepted counts outside 1..Q that ``with_rows_outside`` gives its first requests, after 0 and
+# Q + 1 (conv variants).
+COUNTS_OUTSIDE = (1000, -3)
+
+
+def with_rows_outside(inputs: dict[str, Any]) -> dict[str, Any]:
+    """``make_verify_inputs``'s inputs (at least 6 requests, all on live slots) with index values
+    a kernel must cut to its tensors (kdagen/dsl/bounds.py), each standing for the value inside
+    the contract it is cut to (``in_contract``):
+
+    - the last two requests' tokens are dropped (T shrinks), and they start past the last row,
+      the last one ending before it starts;
+    - the first window starts at row -7;
+    - with conv, the first requests' accepted counts are 0, Q + 1 and ``COUNTS_OUTSIDE``;
+    - ``out`` is the middle of a buffer with ``OUT_GUARD_ROWS`` poisoned rows on each side
+      (``out_guard_before``, ``out_guard_after``: read-only inputs to a check, so a write past
+      ``out`` fails it)."""
+    starts = inputs["query_start"]
+    batch = starts.numel() - 1
+    if batch < 6:
+        raise ValueError(f"with_rows_outside needs at least 6 requests, got {batch}")
+    rows = int(starts[batch - 2])
+    bad = dict(inputs)
+    for name in ("qkv", "raw_g", "raw_beta"):
+        bad[name] = inputs[name][:rows].clone()
+    if inputs["parents"] is not None:
+        bad["parents"] = inputs["parents"][:rows].clone()
+    bad["qlen"] = [*inputs["qlen"][: batch - 2], 0, 0]
+    guarded = poison_(inputs["out"].new_empty(rows + 2 * OUT_GUARD_ROWS, inputs["out"].shape[1]))
+    bad["out_guard_before"] = guarded[:OUT_GUARD_ROWS]
+    bad["out"] = guarded[OUT_GUARD_ROWS : OUT_GUARD_ROWS + rows]
+    bad["out_guard_after"] = guarded[OUT_GUARD_ROWS + rows :]
+    outside = starts.clone()
+    outside[0] = -7
+    outside[batch - 2 :] = torch.tensor([rows + 4, rows + 9, rows + 6], dtype=starts.dtype)
+    bad["query_start"] = outside
+    if inputs["accepted"] is not None:
+        window = inputs["corr"].shape[2]
+        counts = (0, window + 1, *COUNTS_OUTSIDE)
+        accepted = inputs["accepted"].clone()
+        accepted[: len(counts)] = torch.tensor(counts, dtype=accepted.dtype)
+        bad["accepted"] = accepted
+    return bad
+
+
+def in_contract(inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` with ``query_start`` and ``accepted`` replaced by the contract's values a
+    verify kernel cuts them to (the rule of kdagen/dsl/bounds.py, on the host): each window to
+    the token rows [0, T), each accepted count to 1..Q. Values inside the contract are kept."""
+    rows = inputs["raw_g"].shape[0]
+    starts = inputs["query_start"].tolist()
+    cut = []
+    for first, end in pairwise(starts):
+        bos = min(max(first, 0), rows)
+        cut.append((bos, min(max(end, bos), rows)))
+    if any(end != bos for (_, end), (bos, _) in pairwise(cut)):
+        raise ValueError(f"the cut windows {cut} are not one query_start (a request's end is not "
+                         "the next one's start)")  # fmt: skip
+    fixed = dict(inputs)
+    device = inputs["query_start"].device
+    fixed["query_start"] = torch.tensor([cut[0][0], *(end for _, end in cut)],
+                                        dtype=inputs["query_start"].dtype, device=device)  # fmt: skip
+    if inputs["accepted"] is not None:
+        fixed["accepted"] = inputs["accepted"].clamp(1, inputs["corr"].shape[2])
+    return fixed
 
 
 def random_parents(qlen: list[int], gen: torch.Generator, chain: bool = False) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from kdagen.check_verify import cases_for, prepared_case, run_kernel
 from kdagen.serve.variant import Variant
 
-CASES = "random,single,bounded-edge,saturated"
+CASES = "random,single,bounded-edge,saturated,rows-outside"
 
 
 def main() -> None:

@@ -343,6 +343,52 @@ def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
     assert "prefetch_l2(" not in krender.render(variant.replace(pdl=False))
 
 
+@pytest.fixture
+def verify_fixes(monkeypatch: pytest.MonkeyPatch):
+    """render.VERIFY_ROW_BOUNDS and VERIFY_STATE_AFTER_WAIT on for one test."""
+    monkeypatch.setattr(krender, "VERIFY_ROW_BOUNDS", True)
+    monkeypatch.setattr(krender, "VERIFY_STATE_AFTER_WAIT", True)
+    krender.render.cache_clear()
+    yield
+    krender.render.cache_clear()
+
+
+def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
+    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s sm_90a kernel."""
+    record = kcompile.compile_variant(variant, "sm_90a", root)
+    assert record.ok, record.error
+    sass = disassemble(kcompile.variant_dir(variant, root) / "sm_90a" / "kernel.cubin")
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
+    return {op: next((i for i, line in enumerate(lines) if re.search(rf"\b{op}\b", line)), -1)
+            for op in ops}  # fmt: skip
+
+
+@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s2-pdl",
+        "verify-h32-q4-i32-sm90_wgmma-t128-r2-c528-s1-pdl",
+        "verify-h16-q16-softplus-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+    ],
+)
+def test_a_pdl_verify_copies_its_first_state_into_shared_memory_only_after_the_wait(
+    name: str, tmp_path: Path, verify_fixes
+) -> None:
+    """Switched on (until a GPU has checked every verify render), a PDL verify fetches its
+    first state only into L2 before griddepcontrol.wait (UTMAPF) and issues every TMA load of a
+    state after it, so a commit launched right before it cannot hand it an old state; and it
+    cuts its windows to the token rows. Switched off, the early CTAs' load precedes the wait."""
+    variant = Variant.parse(name)
+    assert "window_rows(query_start, request, rows)" in krender.render(variant)
+    first = _first_ops(variant, tmp_path / "on", ("UTMAPF", "ACQBULK", "UTMALDG"))
+    assert -1 < first["UTMAPF"] < first["ACQBULK"] < first["UTMALDG"], first
+    krender.VERIFY_STATE_AFTER_WAIT = False  # the monkeypatch restores it
+    krender.render.cache_clear()
+    before = _first_ops(variant, tmp_path / "off", ("ACQBULK", "UTMALDG"))
+    assert -1 < before["UTMALDG"] < before["ACQBULK"], before
+
+
 @pytest.mark.parametrize("switched_on", ["SOFTPLUS_ONE_TILE"], indirect=True)
 @pytest.mark.parametrize(
     "name",

@@ -11,11 +11,17 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
     python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
                                          [--batches 1,16,64,256] [--top 4] [--match S]
                                          [--no-prefix-caching] [--bound no-fold]
-                                         [--prefetch-state] [--space FILE]
+                                         [--prefetch-state] [--lead-us 3,6] [--space FILE]
 
 ``--prefetch-state`` builds every kernel with ``kdagen.render.COMMIT_STATE_PREFETCH`` on (each
 PDL commit fetches its state into L2 before griddepcontrol.wait); run the sweep once without and
 once with it, back to back.
+
+``--lead-us X,Y`` puts a kernel of about X us before every commit (one warp an SM spinning on
+the global timer, which lets the commit start at once under PDL) and prints each variant's
+time over the lead's own: with ``--prefetch-state``, how fast the commit streams when its
+states have X us to reach L2 under the kernel before it. That is what a commit split into a
+factor kernel and a streaming kernel launched under it could gain (docs/history/model-commit.md).
 
 ``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
 added): a variant need not be in the shipped space or the table to be timed.
@@ -24,9 +30,14 @@ added): a variant need not be in the shipped space or the table to be timed.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from functools import partial
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
 import torch
+from cutlass.cute.runtime import make_fake_stream
 
 import kdagen.compile as kcompile
 import kdagen.render as krender
@@ -36,12 +47,47 @@ from kdagen.serve.model_commit import ModelCommit
 from kdagen.space import Space, name_matches
 
 
-def time_variant(sets: list, built: list[ModelCommit], variant: object) -> bench.Timing:
-    return bench.time_graph([
-        partial(m.commit, s.step["state_indices"], s.step["num_accepted_tokens"],
-                query_start=s.step["query_start_loc"], variant=variant)
-        for m, s in zip(built, sets, strict=True)
-    ])  # fmt: skip
+class Lead:
+    """A kernel of about ``ns`` nanoseconds of one warp an SM spinning on the global timer; it
+    lets the next launch start at once (griddepcontrol.launch_dependents first)."""
+
+    @cute.jit
+    def __call__(self, ns: cutlass.Int64, sms: cutlass.Int32, stream: cuda.CUstream):
+        self.kernel(ns).launch(grid=(sms, 1, 1), block=(32, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, ns: cutlass.Int64):
+        cute.arch.griddepcontrol_launch_dependents()
+        start = cute.arch.globaltimer()
+        now = start
+        while now - start < ns:
+            now = cute.arch.globaltimer()
+
+
+def lead_launch(us: float) -> Callable[[], None]:
+    """A launch of ``Lead`` for ``us`` microseconds on the current stream."""
+    compiled = cute.compile(Lead(), cutlass.Int64(0), cutlass.Int32(1), make_fake_stream())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ns = cutlass.Int64(int(us * 1000))
+
+    def launch() -> None:
+        compiled(ns, cutlass.Int32(sms), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+
+    return launch
+
+
+def time_variant(sets: list, built: list[ModelCommit], variant: object,
+                 lead: Callable[[], None] | None = None) -> bench.Timing:  # fmt: skip
+    """The commit's time per input set, with ``lead`` launched before each commit (then the
+    pair's time)."""
+
+    def launch(m: ModelCommit, s: object) -> None:
+        if lead is not None:
+            lead()
+        m.commit(s.step["state_indices"], s.step["num_accepted_tokens"],
+                 query_start=s.step["query_start_loc"], variant=variant)  # fmt: skip
+
+    return bench.time_graph([partial(launch, m, s) for m, s in zip(built, sets, strict=True)])
 
 
 def render_with(options: krender.RenderOptions) -> None:
@@ -81,6 +127,8 @@ def main() -> None:
     parser.add_argument("--space", default="commit.yaml", help="the commit space to sweep")
     parser.add_argument("--prefetch-state", action="store_true",
                         help="build with kdagen.render.COMMIT_STATE_PREFETCH on")  # fmt: skip
+    parser.add_argument("--lead-us", default="",
+                        help="also time each variant behind a kernel of these us (comma list)")  # fmt: skip
     args = parser.parse_args()
     if args.prefetch_state:
         krender.COMMIT_STATE_PREFETCH = True  # before anything renders
@@ -122,6 +170,13 @@ def main() -> None:
             f"   worst {rows[-1][0].median_us:.2f} {rows[-1][1]}; no conv best "
             f"{best_plain[0]:.2f} ({100 * floor_plain / best_plain[0]:.1f}%) {best_plain[1]}"
         )
+        for us in (float(x) for x in args.lead_us.split(",") if x):
+            lead = lead_launch(us)
+            alone = bench.time_graph([lead] * count).median_us
+            behind = sorted((time_variant(sets, with_conv, v, lead).median_us - alone, v.name)
+                            for v in candidates)  # fmt: skip
+            print(f"   behind a lead of {us:g} us (measured {alone:.2f}): over the lead "
+                  + ", ".join(f"{t:.2f} {name}" for t, name in behind[: args.top]))  # fmt: skip
         del sets, with_conv, plain
         torch.cuda.empty_cache()
 

@@ -354,10 +354,11 @@ def verify_fixes(monkeypatch: pytest.MonkeyPatch):
 
 
 def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
-    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s sm_90a kernel."""
-    record = kcompile.compile_variant(variant, "sm_90a", root)
+    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s kernel for its arch."""
+    arch = "sm_100a" if variant.path == "sm100_tcgen05" else "sm_90a"
+    record = kcompile.compile_variant(variant, arch, root)
     assert record.ok, record.error
-    sass = disassemble(kcompile.variant_dir(variant, root) / "sm_90a" / "kernel.cubin")
+    sass = disassemble(kcompile.variant_dir(variant, root) / arch / "kernel.cubin")
     lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
     return {op: next((i for i, line in enumerate(lines) if re.search(rf"\b{op}\b", line)), -1)
             for op in ops}  # fmt: skip
@@ -370,6 +371,7 @@ def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, 
         "verify-h12-q8-i32-sm90_wgmma-t128-r1-c396-s2-pdl",
         "verify-h32-q4-i32-sm90_wgmma-t128-r2-c528-s1-pdl",
         "verify-h16-q16-softplus-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+        "verify-h12-q2-tree-conv-tm-bf16-i32-sm100_tcgen05-c740",
     ],
 )
 def test_a_pdl_verify_copies_its_first_state_into_shared_memory_only_after_the_wait(
@@ -380,7 +382,7 @@ def test_a_pdl_verify_copies_its_first_state_into_shared_memory_only_after_the_w
     state after it, so a commit launched right before it cannot hand it an old state; and it
     cuts its windows to the token rows. Switched off, the early CTAs' load precedes the wait."""
     variant = Variant.parse(name)
-    assert "window_rows(query_start, request, rows)" in krender.render(variant)
+    assert "window_rows(query_start, request," in krender.render(variant)
     first = _first_ops(variant, tmp_path / "on", ("UTMAPF", "ACQBULK", "UTMALDG"))
     assert -1 < first["UTMAPF"] < first["ACQBULK"] < first["UTMALDG"], first
     krender.VERIFY_STATE_AFTER_WAIT = False  # the monkeypatch restores it

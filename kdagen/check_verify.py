@@ -87,7 +87,7 @@ OUTSIDE_CASES = (
     VerifyCase("null-below-pool", 12, null_slot=-4, outside=True),
 )
 # Index values outside their tensors (render.VERIFY_ROW_BOUNDS): the kernels cut them.
-ROWS_OUTSIDE_CASES = (VerifyCase("rows-outside", 12, nulls=False, rows_outside=True),)
+ROWS_OUTSIDE_CASES = (VerifyCase("rows-outside", 12, ragged=False, nulls=False, rows_outside=True),)
 # A tree variant's extra cases (its other cases run on random trees).
 TREE_CASES = (
     VerifyCase("tree-chain", 24, shape="chain"),

@@ -232,15 +232,17 @@ def make_verify_inputs(
     return inputs
 
 
-# Poisoned rows on each side of ``out`` in ``with_rows_outside``'s inputs.
-OUT_GUARD_ROWS = 4
+# Poisoned rows on each side of ``out`` in ``with_rows_outside``'s inputs: every row an uncut
+# kernel would write there (windows from row -7, or from T + 4 and T + 9, of up to 16 tokens).
+OUT_GUARD_ROWS = 32
 # Accepted counts outside 1..Q that ``with_rows_outside`` gives its first requests, after 0 and
 # Q + 1 (conv variants).
 COUNTS_OUTSIDE = (1000, -3)
 
 
 def with_rows_outside(inputs: dict[str, Any]) -> dict[str, Any]:
-    """``make_verify_inputs``'s inputs (at least 6 requests, all on live slots) with index values
+    """``make_verify_inputs``'s inputs (at least 6 requests, all on live slots, every window of
+    Q tokens, so each bad count below is read) with index values
     a kernel must cut to its tensors (kdagen/dsl/bounds.py), each standing for the value inside
     the contract it is cut to (``in_contract``):
 
@@ -253,8 +255,9 @@ def with_rows_outside(inputs: dict[str, Any]) -> dict[str, Any]:
       ``out`` fails it)."""
     starts = inputs["query_start"]
     batch = starts.numel() - 1
-    if batch < 6:
-        raise ValueError(f"with_rows_outside needs at least 6 requests, got {batch}")
+    if batch < 6 or min(inputs["qlen"]) < 1:
+        raise ValueError(f"with_rows_outside needs at least 6 requests with tokens, got "
+                         f"{inputs['qlen']}")  # fmt: skip
     rows = int(starts[batch - 2])
     bad = dict(inputs)
     for name in ("qkv", "raw_g", "raw_beta"):
@@ -282,13 +285,15 @@ def with_rows_outside(inputs: dict[str, Any]) -> dict[str, Any]:
 def in_contract(inputs: dict[str, Any]) -> dict[str, Any]:
     """``inputs`` with ``query_start`` and ``accepted`` replaced by the contract's values a
     verify kernel cuts them to (the rule of kdagen/dsl/bounds.py, on the host): each window to
-    the token rows [0, T), each accepted count to 1..Q. Values inside the contract are kept."""
-    rows = inputs["raw_g"].shape[0]
+    the token rows [0, T) and to Q tokens, each accepted count to 1..Q. Values inside the
+    contract are kept; a window longer than Q has no contract value (its last rows are
+    nobody's) and raises."""
+    rows, window = inputs["raw_g"].shape[0], inputs["corr"].shape[2]
     starts = inputs["query_start"].tolist()
     cut = []
     for first, end in pairwise(starts):
         bos = min(max(first, 0), rows)
-        cut.append((bos, min(max(end, bos), rows)))
+        cut.append((bos, min(max(end, bos), rows, bos + window)))
     if any(end != bos for (_, end), (bos, _) in pairwise(cut)):
         raise ValueError(f"the cut windows {cut} are not one query_start (a request's end is not "
                          "the next one's start)")  # fmt: skip
@@ -297,7 +302,7 @@ def in_contract(inputs: dict[str, Any]) -> dict[str, Any]:
     fixed["query_start"] = torch.tensor([cut[0][0], *(end for _, end in cut)],
                                         dtype=inputs["query_start"].dtype, device=device)  # fmt: skip
     if inputs["accepted"] is not None:
-        fixed["accepted"] = inputs["accepted"].clamp(1, inputs["corr"].shape[2])
+        fixed["accepted"] = inputs["accepted"].clamp(1, window)
     return fixed
 
 

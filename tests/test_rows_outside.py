@@ -3,6 +3,7 @@ stand for the contract values the kernels cut them to, and a write past ``out`` 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kdagen import reference
@@ -22,7 +23,7 @@ B, H, Q = 8, 2, 4
 
 
 def _inputs(**options):
-    return make_verify_inputs(B, H, Q, conv=True, nulls=False, seed=3, **options)
+    return make_verify_inputs(B, H, Q, conv=True, ragged=False, nulls=False, seed=3, **options)
 
 
 def test_rows_outside_stand_for_the_contract_inputs_the_kernels_cut_them_to() -> None:
@@ -41,6 +42,11 @@ def test_rows_outside_stand_for_the_contract_inputs_the_kernels_cut_them_to() ->
     same = in_contract(inputs)
     assert torch.equal(same["query_start"], inputs["query_start"])
     assert torch.equal(same["accepted"], inputs["accepted"])
+    # A window longer than Q is cut to Q tokens: its last rows are nobody's, no contract value.
+    long = dict(inputs, query_start=inputs["query_start"].clone())
+    long["query_start"][1] -= 2
+    with pytest.raises(ValueError, match="not one query_start"):
+        in_contract(long)
 
 
 def test_the_cut_windows_compute_what_the_kept_requests_compute_in_the_contract() -> None:
@@ -72,7 +78,8 @@ def test_the_rows_outside_case_fails_a_write_past_out() -> None:
     result = VerifyCaseResult("v", "rows-outside")
     _compare(result, bad, ref, start)
     assert result.untouched_ok and result.kg_exact and result.conv_exact, result.summary()
-    for guard, row in (("out_guard_before", OUT_GUARD_ROWS - 1), ("out_guard_after", 0)):
+    # The rows a kernel that took the bad starts as they are would write first: -7, T + 4.
+    for guard, row in (("out_guard_before", OUT_GUARD_ROWS - 7), ("out_guard_after", 4)):
         poked = dict(bad)
         poked[guard] = bad[guard].clone()
         poked[guard][row, 5] = 1.0

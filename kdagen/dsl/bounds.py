@@ -11,13 +11,16 @@ from cutlass import Int32
 
 
 @cute.jit
-def window_rows(query_start: cute.Tensor, request: Int32, rows: Int32) -> tuple:
+def window_rows(
+    query_start: cute.Tensor, request: Int32, rows: Int32, window: cutlass.Constexpr[int]
+) -> tuple:
     """Request ``request``'s window as (first row, token count), cut to rows [0, ``rows``) of
-    the token tensors: a start or end outside them, or an end before the start, leaves the
-    part inside (maybe none)."""
+    the token tensors (a start or end outside them, or an end before the start, leaves the
+    part inside, maybe none) and to its first ``window`` tokens: every ``t < count`` then also
+    holds ``t < window``, the size of the kernel's per-token registers and records."""
     bos = cutlass.min(cutlass.max(query_start[request], Int32(0)), rows)
     end = cutlass.min(cutlass.max(query_start[request + 1], bos), rows)
-    return bos, end - bos
+    return bos, cutlass.min(end - bos, Int32(window))
 
 
 @cute.jit

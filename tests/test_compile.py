@@ -268,9 +268,10 @@ def test_the_conv_trees_without_selects_compile(
 
 @pytest.fixture
 def switched_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """The switch ``request.param`` of ``kdagen.render`` on for one test (renders cached both
-    sides)."""
-    monkeypatch.setattr(krender, request.param, True)
+    """The switches ``request.param`` of ``kdagen.render`` (one name, or names joined by "+")
+    on for one test (renders cached both sides)."""
+    for name in request.param.split("+"):
+        monkeypatch.setattr(krender, name, True)
     krender.render.cache_clear()
     yield
     krender.render.cache_clear()
@@ -314,6 +315,19 @@ def test_only_the_kernels_that_rebase_on_demand_get_the_bounded_edge_case() -> N
     assert edge(chain8) and edge(wide) and not edge(tree8) and not edge(wide_softplus)
 
 
+def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
+    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s kernel for its arch."""
+    arch = "sm_100a" if variant.path == "sm100_tcgen05" else "sm_90a"
+    record = kcompile.compile_variant(variant, arch, root)
+    assert record.ok, record.error
+    sass = disassemble(kcompile.variant_dir(variant, root) / arch / "kernel.cubin")
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
+    first = {op: next((i for i, line in enumerate(lines) if re.search(rf"\b{op}\b", line)), -1)
+             for op in ops}  # fmt: skip
+    assert min(first.values()) >= 0, f"{variant.name} lacks an opcode: {first}"
+    return first
+
+
 PREFETCHING_COMMITS = (
     "commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl",
     "commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r4-pdl",
@@ -333,38 +347,15 @@ def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
     slot's state into L2 before griddepcontrol.wait, and copies it into shared memory only
     after the wait; a commit without PDL renders as before."""
     variant = Variant.parse(name)
-    record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
-    assert record.ok, record.error
-    sass = disassemble(kcompile.variant_dir(variant, tmp_path) / "sm_90a" / "kernel.cubin")
-    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
-    first = {op: next(i for i, line in enumerate(lines) if op in line)
-             for op in ("LDG", "UBLKPF", "ACQBULK", "UBLKCP")}  # fmt: skip
+    first = _first_ops(variant, tmp_path, ("LDG", "UBLKPF", "ACQBULK", "UBLKCP"))
     assert first["LDG"] < first["UBLKPF"] < first["ACQBULK"] < first["UBLKCP"], first
     assert "prefetch_l2(" not in krender.render(variant.replace(pdl=False))
 
 
-@pytest.fixture
-def verify_fixes(monkeypatch: pytest.MonkeyPatch):
-    """render.VERIFY_ROW_BOUNDS and VERIFY_STATE_AFTER_WAIT on for one test."""
-    monkeypatch.setattr(krender, "VERIFY_ROW_BOUNDS", True)
-    monkeypatch.setattr(krender, "VERIFY_STATE_AFTER_WAIT", True)
-    krender.render.cache_clear()
-    yield
-    krender.render.cache_clear()
-
-
-def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
-    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s kernel for its arch."""
-    arch = "sm_100a" if variant.path == "sm100_tcgen05" else "sm_90a"
-    record = kcompile.compile_variant(variant, arch, root)
-    assert record.ok, record.error
-    sass = disassemble(kcompile.variant_dir(variant, root) / arch / "kernel.cubin")
-    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
-    return {op: next((i for i, line in enumerate(lines) if re.search(rf"\b{op}\b", line)), -1)
-            for op in ops}  # fmt: skip
-
-
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize(
+    "switched_on", ["VERIFY_ROW_BOUNDS+VERIFY_STATE_AFTER_WAIT"], indirect=True
+)
 @pytest.mark.parametrize(
     "name",
     [
@@ -375,7 +366,7 @@ def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, 
     ],
 )
 def test_a_pdl_verify_copies_its_first_state_into_shared_memory_only_after_the_wait(
-    name: str, tmp_path: Path, verify_fixes
+    name: str, tmp_path: Path, switched_on
 ) -> None:
     """Switched on (until a GPU has checked every verify render), a PDL verify fetches its
     first state only into L2 before griddepcontrol.wait (UTMAPF) and issues every TMA load of a

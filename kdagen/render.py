@@ -126,12 +126,11 @@ class RenderOptions:
 SOFTPLUS_ONE_TILE = False
 
 # The PDL commit kernels read their slot and the layer table before griddepcontrol.wait and
-# fetch the slot's state and the head's records into L2 there, under the kernel launched
-# before them (the verify's first-state prefetch, for commit). Off until `kdagen check` and the
-# model bench have run its renders on a GPU; switching it on re-renders every PDL commit kernel
-# (their studies re-timed) and adds the commit to README's rule on what the kernel before a
-# PDL launch must not write.
-COMMIT_PREFETCH = False
+# fetch the slot's state into L2 there, under the kernel launched before them (the verify's
+# first-state prefetch, for commit). Off until `kdagen check` and the model bench have run its
+# renders on a GPU; switching it on re-renders every PDL commit kernel (their studies re-timed)
+# and adds the commit to README's rule on what the kernel before a PDL launch must not write.
+COMMIT_STATE_PREFETCH = False
 
 # Verify kernels that cut the rows named by device values to their tensors: each window to rows
 # [0, T), the conv history's first row to [0, Q - 1] (kdagen/dsl/bounds.py). Without it a start
@@ -177,7 +176,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "tree": variant.tree,
     }
     if variant.kernel == "commit":
-        context["prefetch"] = COMMIT_PREFETCH and variant.pdl
+        context["prefetch_state"] = COMMIT_STATE_PREFETCH and variant.pdl
     if variant.kernel == "verify":
         context["row_bounds"] = VERIFY_ROW_BOUNDS
         context["state_after_wait"] = VERIFY_STATE_AFTER_WAIT and variant.pdl

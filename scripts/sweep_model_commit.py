@@ -11,16 +11,16 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
     python scripts/sweep_model_commit.py [--layers 69] [--heads 12] [--window 8]
                                          [--batches 1,16,64,256] [--top 4] [--match S]
                                          [--no-prefix-caching] [--bound no-fold]
-                                         [--prefetch] [--lead-us 3,6] [--space FILE]
+                                         [--prefetch-state] [--lead-us 3,6] [--space FILE]
 
-``--prefetch`` builds every kernel with ``kdagen.render.COMMIT_PREFETCH`` on (each PDL
-commit fetches its state and records into L2 before griddepcontrol.wait); run the sweep once
-without and once with it, back to back.
+``--prefetch-state`` builds every kernel with ``kdagen.render.COMMIT_STATE_PREFETCH`` on (each
+PDL commit fetches its state into L2 before griddepcontrol.wait); run the sweep once without and
+once with it, back to back.
 
 ``--lead-us X,Y`` puts a kernel of about X us before every commit (one warp an SM spinning on
 the global timer, which lets the commit start at once under PDL) and prints each variant's
-time over the lead's own: with ``--prefetch``, how fast the commit streams when its states
-and records have X us to reach L2 under the kernel before it. That is what a commit split into a
+time over the lead's own: with ``--prefetch-state``, how fast the commit streams when its
+states have X us to reach L2 under the kernel before it. That is what a commit split into a
 factor kernel and a streaming kernel launched under it could gain (docs/history/model-commit.md).
 
 ``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
@@ -125,13 +125,13 @@ def main() -> None:
     parser.add_argument("--bound", choices=["no-fold"], help="build every variant as this "
                         "measurement bound (its outputs are wrong)")  # fmt: skip
     parser.add_argument("--space", default="commit.yaml", help="the commit space to sweep")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="build with kdagen.render.COMMIT_PREFETCH on")  # fmt: skip
+    parser.add_argument("--prefetch-state", action="store_true",
+                        help="build with kdagen.render.COMMIT_STATE_PREFETCH on")  # fmt: skip
     parser.add_argument("--lead-us", default="",
                         help="also time each variant behind a kernel of these us (comma list)")  # fmt: skip
     args = parser.parse_args()
-    if args.prefetch:
-        krender.COMMIT_PREFETCH = True  # before anything renders
+    if args.prefetch_state:
+        krender.COMMIT_STATE_PREFETCH = True  # before anything renders
     if args.bound:
         render_with(krender.RenderOptions(bound=args.bound))
     bw = bench.copy_bandwidth()

@@ -315,26 +315,17 @@ def test_only_the_kernels_that_rebase_on_demand_get_the_bounded_edge_case() -> N
     assert edge(chain8) and edge(wide) and not edge(tree8) and not edge(wide_softplus)
 
 
-def _sass_lines(variant: Variant, root: Path) -> list[str]:
-    """The instructions of ``variant``'s kernel for its arch, in program order."""
+def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
+    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s kernel for its arch."""
     arch = "sm_100a" if variant.path == "sm100_tcgen05" else "sm_90a"
     record = kcompile.compile_variant(variant, arch, root)
     assert record.ok, record.error
     sass = disassemble(kcompile.variant_dir(variant, root) / arch / "kernel.cubin")
-    return [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
-
-
-def _first_in(lines: list[str], ops: tuple[str, ...]) -> dict[str, int]:
-    """Where each SASS opcode of ``ops`` first occurs in ``lines`` (each must)."""
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
     first = {op: next((i for i, line in enumerate(lines) if re.search(rf"\b{op}\b", line)), -1)
              for op in ops}  # fmt: skip
-    assert min(first.values()) >= 0, f"an opcode is missing: {first}"
+    assert min(first.values()) >= 0, f"{variant.name} lacks an opcode: {first}"
     return first
-
-
-def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
-    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s kernel for its arch."""
-    return _first_in(_sass_lines(variant, root), ops)
 
 
 PREFETCHING_COMMITS = (
@@ -346,22 +337,18 @@ PREFETCHING_COMMITS = (
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
 @pytest.mark.parametrize(
     ("switched_on", "name"),
-    [("COMMIT_PREFETCH", name) for name in PREFETCHING_COMMITS],
+    [("COMMIT_STATE_PREFETCH", name) for name in PREFETCHING_COMMITS],
     indirect=["switched_on"],
 )
-def test_a_pdl_commit_fetches_its_state_and_records_into_l2_before_the_wait(
+def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
     name: str, tmp_path: Path, switched_on
 ) -> None:
     """Switched on (until a GPU has measured it), a PDL commit reads its slot and fetches the
-    slot's state and the head's corr and kg rows into L2 before griddepcontrol.wait, and
-    copies them into shared memory only after the wait; a commit without PDL renders as
-    before."""
+    slot's state into L2 before griddepcontrol.wait, and copies it into shared memory only
+    after the wait; a commit without PDL renders as before."""
     variant = Variant.parse(name)
-    lines = _sass_lines(variant, tmp_path)
-    first = _first_in(lines, ("LDG", "UBLKPF", "ACQBULK", "UBLKCP"))
+    first = _first_ops(variant, tmp_path, ("LDG", "UBLKPF", "ACQBULK", "UBLKCP"))
     assert first["LDG"] < first["UBLKPF"] < first["ACQBULK"] < first["UBLKCP"], first
-    before_wait = [line for line in lines[: first["ACQBULK"]] if re.search(r"\bUBLKPF\b", line)]
-    assert len(before_wait) == 3, before_wait  # the state block, the corr and the kg rows
     assert "prefetch_l2(" not in krender.render(variant.replace(pdl=False))
 
 

@@ -321,7 +321,7 @@ def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, 
     record = kcompile.compile_variant(variant, arch, root)
     assert record.ok, record.error
     sass = disassemble(kcompile.variant_dir(variant, root) / arch / "kernel.cubin")
-    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", line)]
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", line)]
     first = {op: next((i for i, line in enumerate(lines) if re.search(rf"\b{op}\b", line)), -1)
              for op in ops}  # fmt: skip
     assert min(first.values()) >= 0, f"{variant.name} lacks an opcode: {first}"

@@ -20,9 +20,9 @@ pytestmark = ANY_GPU
 SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
 
 
-def _representative() -> list[str]:
+def _representative(space: str) -> list[str]:
     """Every tuning point of one contract key, plus one variant of every other key."""
-    variants = Space.load("commit.yaml").expand().variants
+    variants = Space.load(space).expand().variants
     full = [v.name for v in variants if v.heads == 12 and v.window == 8 and v.slot_dtype == "int32"]
     seen, others = set(), []
     for v in variants:
@@ -33,7 +33,10 @@ def _representative() -> list[str]:
     return full + others
 
 
-@pytest.mark.parametrize("name", _representative())
+# The shipped commits, and those that fold on the tensor cores (search_spaces/commit_mma.yaml).
+@pytest.mark.parametrize(
+    "name", _representative("commit.yaml") + _representative("commit_mma.yaml")
+)
 def test_commit_variant_matches_reference(name: str) -> None:
     results = check_commit(Variant.parse(name), seed=SEED)
     failed = {r.case for r in results if not r.passed}

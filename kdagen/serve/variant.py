@@ -85,6 +85,14 @@ PATHS: dict[str, dict[str, PathSpec]] = {
             archs=("sm_90a", "sm_100a"),
             tuning=("threads", "vec", "row_split", "pdl", "fold_paths"),
         ),
+        # The same staging with the update on the tensor cores (mma.sync, bf16 hi + lo
+        # operands): a few instructions per state element instead of one FMA per token.
+        "bulk_mma": PathSpec(
+            template="commit/bulk.py.j2",
+            class_name="KdaCommit",
+            archs=("sm_90a", "sm_100a"),
+            tuning=("threads", "row_split", "pdl"),
+        ),
     },
     "verify": {
         # The seed: tcgen05 MMAs into TMEM, persistent grid with a work counter (sm_100a).
@@ -382,10 +390,33 @@ def _check_commit_rules(v: Variant) -> None:
             f"threads={v.threads} does not divide the {rows * group} chunks of "
             f"row_split={v.row_split} evenly"
         )
+    if v.path == "bulk_mma":
+        _check_commit_mma_rules(v)
     if v.window % v.fold_paths:
         raise VariantError(
             f"fold_paths={v.fold_paths} does not divide window={v.window}: each update path "
             "folds a whole number of tokens more than the one before it"
+        )
+
+
+def _check_commit_mma_rules(v: Variant) -> None:
+    """Path bulk_mma: whole warps per 32-column group (4 or 8 warps), whole 16-row tiles per
+    warp; one update path (vec and fold_paths, which it does not read, at their defaults)."""
+    if v.threads not in (128, 256):
+        raise VariantError(
+            f"threads={v.threads} is not allowed for path 'bulk_mma' (4 or 8 warps, one or "
+            "two per 32-column group); allowed values: [128, 256]"
+        )
+    tiles = K // v.row_split // 16
+    if tiles % (v.threads // 128):
+        raise VariantError(
+            f"row_split={v.row_split} leaves {tiles} 16-row tiles, which threads={v.threads} "
+            "cannot share evenly between its warps of a column group"
+        )
+    if v.vec != 8 or v.fold_paths != 1:
+        raise VariantError(
+            f"vec={v.vec}, fold_paths={v.fold_paths}: path 'bulk_mma' reads neither; they "
+            "stay at their defaults (vec=8, fold_paths=1) so a name means one variant"
         )
 
 

@@ -33,9 +33,13 @@ def _representative(space: str) -> list[str]:
     return full + others
 
 
-# The shipped commits, and those that fold on the tensor cores (search_spaces/commit_mma.yaml).
+# The shipped commits, those that fold on the tensor cores (search_spaces/commit_mma.yaml) and
+# those past 8 tokens (search_spaces/commit_wide.yaml).
 @pytest.mark.parametrize(
-    "name", _representative("commit.yaml") + _representative("commit_mma.yaml")
+    "name",
+    _representative("commit.yaml")
+    + _representative("commit_mma.yaml")
+    + _representative("commit_wide.yaml"),
 )
 def test_commit_variant_matches_reference(name: str) -> None:
     results = check_commit(Variant.parse(name), seed=SEED)

@@ -463,8 +463,10 @@ def run_study(
     budget = _study_budget(study.user_attrs, len(space.candidates), options)
     if chosen:
         first = [default, *(space.by_name[n] for n in chosen if n in space.by_name)]
+    elif budget >= len(space.candidates):  # every candidate is scored: nothing for TPE to pick
+        first = [default, *plan.candidates]
     else:
-        first = [default, *plan.candidates] if options.exhaustive else [default]
+        first = [default]
     enqueue(study, space, first)
     started = time.perf_counter()
     best = [(o.value, name) for name, o in recorded(study).items() if o.ok]

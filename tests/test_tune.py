@@ -462,6 +462,19 @@ def test_a_killed_run_resumes_without_redoing_trials(tmp_path: Path, workloads: 
     assert study.user_attrs["final"]["scored"] == 7  # finals re-run on the larger set
 
 
+def test_a_budget_that_covers_every_candidate_asks_the_sampler_nothing(
+    tmp_path: Path, workloads: Path
+) -> None:
+    """With ``--trials`` at least the candidates, every one is scored whatever TPE proposes:
+    they are enqueued, so the study holds one trial per candidate and no repeats or invalid
+    points (each asked trial costs storage writes on the tuning host)."""
+    run(options(tmp_path, workloads, simulate={}, trials=32), lambda s: None, fixed_default)
+    study = studies_of(tmp_path / "gen" / "simulated-h200-sm90-132sm")[f"{KEY}/b1"]
+    names = scored_names(study)
+    assert sorted(names) == sorted(v.name for v in candidates())
+    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == len(names)
+
+
 def test_stale_studies_start_again_and_other_gpus_are_refused(tmp_path: Path) -> None:
     storage = open_storage(f"sqlite:///{tmp_path / 'studies.db'}")
     names = [v.name for v in candidates()]

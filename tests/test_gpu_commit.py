@@ -33,13 +33,15 @@ def _representative(space: str) -> list[str]:
     return full + others
 
 
-# The shipped commits, those that fold on the tensor cores (search_spaces/commit_mma.yaml) and
-# those past 8 tokens (search_spaces/commit_wide.yaml).
+# The shipped commits, those that fold on the tensor cores (search_spaces/commit_mma.yaml),
+# those past 8 tokens (search_spaces/commit_wide.yaml) and those that stage their rows through
+# a ring (search_spaces/commit_ring.yaml).
 @pytest.mark.parametrize(
     "name",
     _representative("commit.yaml")
     + _representative("commit_mma.yaml")
-    + _representative("commit_wide.yaml"),
+    + _representative("commit_wide.yaml")
+    + _representative("commit_ring.yaml"),
 )
 def test_commit_variant_matches_reference(name: str) -> None:
     results = check_commit(Variant.parse(name), seed=SEED)

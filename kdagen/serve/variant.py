@@ -85,6 +85,14 @@ PATHS: dict[str, dict[str, PathSpec]] = {
             archs=("sm_90a", "sm_100a"),
             tuning=("threads", "vec", "row_split", "pdl", "fold_paths"),
         ),
+        # The bulk path's update with its rows staged through a ring of two pieces (of four):
+        # half the shared memory, so more CTAs fit an SM.
+        "bulk_ring": PathSpec(
+            template="commit/bulk.py.j2",
+            class_name="KdaCommit",
+            archs=("sm_90a", "sm_100a"),
+            tuning=("threads", "vec", "row_split", "pdl", "fold_paths"),
+        ),
         # The same staging with the update on the tensor cores (mma.sync, bf16 hi + lo
         # operands): a few instructions per state element instead of one FMA per token.
         "bulk_mma": PathSpec(
@@ -392,10 +400,27 @@ def _check_commit_rules(v: Variant) -> None:
         )
     if v.path == "bulk_mma":
         _check_commit_mma_rules(v)
+    if v.path == "bulk_ring":
+        _check_commit_ring_rules(v, rows * group // v.threads)
     if v.window % v.fold_paths:
         raise VariantError(
             f"fold_paths={v.fold_paths} does not divide window={v.window}: each update path "
             "folds a whole number of tokens more than the one before it"
+        )
+
+
+def _check_commit_ring_rules(v: Variant, chunks: int) -> None:
+    """Path bulk_ring: four pieces, two staged at a time (so at least four chunks a thread);
+    one fold a launch (prefix caching's boundary fold would read the rows twice)."""
+    if chunks < 4:
+        raise VariantError(
+            f"threads={v.threads}, vec={v.vec}, row_split={v.row_split} give {chunks} update "
+            "chunks a thread; path 'bulk_ring' streams four pieces and needs at least 4"
+        )
+    if v.prefix_caching:
+        raise VariantError(
+            "prefix_caching=True is not allowed for path 'bulk_ring': the boundary state would "
+            "read the staged rows a second time; allowed values: [False]"
         )
 
 

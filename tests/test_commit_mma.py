@@ -8,10 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from frames import compile_without_frame
+from frames import sm90_sass_without_frame
 
-from kdagen import compile as kcompile
-from kdagen.sass import disassemble, find_nvdisasm
 from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import DEFAULT_SPACES, Space
 
@@ -49,10 +47,7 @@ def test_rules_name_the_field(fields: dict, named: str) -> None:
 @pytest.mark.parametrize("name", SAMPLE)
 def test_compiles_for_both_archs_without_a_frame(name: str, cache: Path) -> None:
     variant = Variant.parse(name)
-    compile_without_frame(variant, cache)
-    if find_nvdisasm() is None:
-        pytest.skip("nvdisasm not installed")
-    sass = disassemble(kcompile.variant_dir(variant, cache) / "sm_90a" / "kernel.cubin")
+    sass = sm90_sass_without_frame(variant, cache)
     warps = variant.threads // 32
     tiles_per_warp = 128 // variant.row_split // 16 // (warps // 4)
     token_steps = (variant.window + 7) // 8

@@ -52,7 +52,7 @@ def test_rules_name_the_field(fields: dict, named: str) -> None:
 def test_compiles_for_both_archs_without_a_frame(name: str, cache: Path) -> None:
     variant = Variant.parse(name)
     sass = sm90_sass_without_frame(variant, cache)
-    # Two pieces at the start, the other two as the ring frees their buffers; corr and kg rows.
+    # Half the pieces at the start, the rest as the ring frees their buffers; corr and kg rows.
     assert len(re.findall(r"\bUBLKCP\b", sass)) >= 4, "bulk copies"
     assert not re.search(r"\b(LDL|STL)\b", sass)
 

@@ -85,8 +85,8 @@ PATHS: dict[str, dict[str, PathSpec]] = {
             archs=("sm_90a", "sm_100a"),
             tuning=("threads", "vec", "row_split", "pdl", "fold_paths"),
         ),
-        # The bulk path's update with its rows staged through a ring of two pieces (of four):
-        # half the shared memory, so more CTAs fit an SM.
+        # The bulk path's update with its rows staged through a ring of half its pieces (4 of
+        # 8, or 2 of 4): half the shared memory, so more CTAs fit an SM.
         "bulk_ring": PathSpec(
             template="commit/bulk.py.j2",
             class_name="KdaCommit",
@@ -410,12 +410,13 @@ def _check_commit_rules(v: Variant) -> None:
 
 
 def _check_commit_ring_rules(v: Variant, chunks: int) -> None:
-    """Path bulk_ring: four pieces, two staged at a time (so at least four chunks a thread);
-    one fold a launch (prefix caching's boundary fold would read the rows twice)."""
+    """Path bulk_ring: at least four pieces, half of them staged at a time (so at least four
+    chunks a thread); one fold a launch (prefix caching's boundary fold would read the rows
+    twice)."""
     if chunks < 4:
         raise VariantError(
             f"threads={v.threads}, vec={v.vec}, row_split={v.row_split} give {chunks} update "
-            "chunks a thread; path 'bulk_ring' streams four pieces and needs at least 4"
+            "chunks a thread; path 'bulk_ring' streams at least four pieces and needs at least 4"
         )
     if v.prefix_caching:
         raise VariantError(

@@ -97,7 +97,7 @@ def test_speculative_loop_on_trees(Q: int, conv: bool, gate: str) -> None:
 
 # Past 8 tokens the chain kernel's padding tokens (repeats of a short window's last) go on
 # decaying, and its coupling form (on the state's probes, or rebased) is voted on the last of
-# them; a tree's padding tokens are roots. A short window can so take the rebased form as a
+# them; a tree's padding tokens are roots. So a short window can take the rebased form as a
 # chain and not as a tree: both within the check's bounds, not the same fp32 sums (measured on
 # an H100: out apart by 2-5e-5 of its norm at Q = 16).
 SHORT_WIDE_CHAIN = pytest.mark.xfail(

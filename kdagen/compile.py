@@ -3,7 +3,9 @@
 The cache is keyed by the variant digest (rendered source + DSL version) and the arch:
 ``<cache>/<digest>/kernel.py`` is the rendered module (tracebacks point at it) and
 ``<cache>/<digest>/<arch>/`` holds ``record.json``, the PTX, the cubin and an exported
-object (``kernel.o``) that a later process loads instead of compiling again.
+object (``kernel.o``) that a later process loads instead of compiling again. Processes share
+it safely: a compile builds in a folder of its own and renames its files in, and compiles on
+first use of one variant wait on a lock for each other.
 A failing compile is a result (``status == "error"`` with its message), never an exception.
 
 Every way in shares this cache: ``CompilePool`` (``kdagen compile`` and ``kdagen emit`` through
@@ -14,20 +16,24 @@ use) loads the exported object, compiling in its own process where it is missing
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -90,7 +96,7 @@ def _write_whole(path: Path, text: str) -> None:
     """Written under another name, then renamed: other processes share the cache and never
     read half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
 
@@ -152,27 +158,40 @@ def compile_variant(
     if cached is not None:
         return cached
     out_dir = variant_dir(variant, root) / arch
+    out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    # Built in a folder of its own, then published file by file: processes that share the
+    # cache (test workers, a server's ranks) may compile the same variant at once.
+    stage = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=out_dir.parent))
     try:
-        compiled = _compile(variant, arch, out_dir, root)
-        record = CompileRecord(variant.name, arch, digest(variant), "ok", 0.0)
-        _add_resources(record, out_dir)
-        record.smem_bytes = (record.smem_bytes or 0) + getattr(
-            load_module(variant, root), "SHARED_BYTES", 0
-        )
-        _load_runtime_library()
-        compiled.export_to_c(str(out_dir), "kernel", export_symbol(variant))
-    except Exception as err:  # a compile error is a result, reported with the others
-        record = CompileRecord(
-            variant.name, arch, digest(variant), "error", 0.0, error=_short_error(err)
-        )
-    record.seconds = round(time.perf_counter() - started, 2)
-    _write_whole(
-        record_path(variant, arch, root),
-        json.dumps(dataclasses.asdict(record) | {"cached": False, "machine": None}, indent=1),
-    )
+        try:
+            compiled = _compile(variant, arch, stage, root)
+            record = CompileRecord(variant.name, arch, digest(variant), "ok", 0.0)
+            _add_resources(record, stage)
+            record.smem_bytes = (record.smem_bytes or 0) + getattr(
+                load_module(variant, root), "SHARED_BYTES", 0
+            )
+            _load_runtime_library()
+            compiled.export_to_c(str(stage), "kernel", export_symbol(variant))
+        except Exception as err:  # a compile error is a result, reported with the others
+            record = CompileRecord(
+                variant.name, arch, digest(variant), "error", 0.0, error=_short_error(err)
+            )
+        record.seconds = round(time.perf_counter() - started, 2)
+        fields = dataclasses.asdict(record) | {"cached": False, "machine": None}
+        (stage / "record.json").write_text(json.dumps(fields, indent=1))
+        _publish(stage, out_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     _add_machine(record, out_dir)
     return record
+
+
+def _publish(stage: Path, out_dir: Path) -> None:
+    """Each staged file renamed into ``out_dir`` (atomic per file), the record last: a reader
+    that finds the record finds the object it describes."""
+    for path in sorted(stage.iterdir(), key=lambda p: p.name == "record.json"):
+        path.replace(out_dir / path.name)
 
 
 def _add_machine(record: CompileRecord, out_dir: Path) -> None:
@@ -191,6 +210,7 @@ class CompileError(RuntimeError):
 def load_kernel(variant: Variant, arch: str, root: Path | None = None) -> Any:
     """The launchable kernel: the cache's exported object, compiled in this process first
     (``compile_variant``) where it is missing or cannot be loaded (stale, foreign)."""
+    stale = False
     try:
         return _load_exported(variant, arch, root)
     except FileNotFoundError:
@@ -198,10 +218,31 @@ def load_kernel(variant: Variant, arch: str, root: Path | None = None) -> Any:
     except Exception as err:
         warnings.warn(f"kdagen: could not load {variant.name}'s object ({err}); compiling",
                       stacklevel=2)  # fmt: skip
-    record = compile_variant(variant, arch, root, force=True)
+        stale = True
+    with _compile_lock(variant, arch, root):
+        if not stale:  # another process may have compiled it while this one waited
+            try:
+                return _load_exported(variant, arch, root)
+            except FileNotFoundError:
+                pass
+        record = compile_variant(variant, arch, root, force=True)
     if not record.ok:
         raise CompileError(f"{variant.name} did not compile for {arch}:\n{record.error}")
     return _load_exported(variant, arch, root)
+
+
+@contextlib.contextmanager
+def _compile_lock(variant: Variant, arch: str, root: Path | None) -> Iterator[None]:
+    """One process at a time compiles a variant for first use; the others wait, then load its
+    object instead of compiling it again."""
+    path = variant_dir(variant, root) / f".{arch}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _load_exported(variant: Variant, arch: str, root: Path | None) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -222,6 +224,51 @@ def test_first_use_compiles_a_missing_kernel_into_the_same_cache(tmp_path: Path)
     assert callable(kcompile.load_kernel(variant, "sm_90a", tmp_path))
     [record] = kcompile.compile_many([variant], ["sm_90a"], jobs=1, root=tmp_path)
     assert record.ok and record.cached
+
+
+_SHARED_CACHE_CHILD = """
+import sys
+from pathlib import Path
+from kdagen import compile as kcompile
+from kdagen.serve.variant import Variant
+
+compiles = []
+build = kcompile._compile
+kcompile._compile = lambda *args: compiles.append(1) or build(*args)
+variant, root = Variant(kernel="commit", heads=2, window=5, row_split=4), Path(sys.argv[2])
+if sys.argv[1] == "first-use":
+    assert callable(kcompile.load_kernel(variant, "sm_90a", root))
+else:
+    assert kcompile.compile_variant(variant, "sm_90a", root, force=True).ok
+print("compiles", len(compiles))
+"""
+
+
+def test_processes_sharing_the_cache_compile_one_variant_at_once(tmp_path: Path) -> None:
+    """Test workers or a server's ranks that need one variant at once: every process gets
+    it, first uses compile it once between them, and no half-built folder is left."""
+    modes = ["first-use", "first-use", "first-use", "compile", "compile"]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SHARED_CACHE_CHILD, mode, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for mode in modes
+    ]
+    outputs = [child.communicate(timeout=600)[0] for child in children]
+    assert all(child.returncode == 0 for child in children), outputs
+    compiles = [int(out.split("compiles ")[-1]) for out in outputs]
+    assert sum(compiles[:3]) <= 1 and compiles[3:] == [1, 1], compiles
+    variant = Variant(kernel="commit", heads=2, window=5, row_split=4)
+    entry = kcompile.variant_dir(variant, tmp_path)
+    assert sorted(p.name for p in entry.iterdir() if not p.name.endswith(".lock")) == [
+        "kernel.py", "sm_90a"]  # fmt: skip
+    assert {"kernel.o", "kernel.cubin", "record.json"} <= {
+        p.name for p in (entry / "sm_90a").iterdir()
+    }
+    assert kcompile.cached_record(variant, "sm_90a", tmp_path).ok
 
 
 @pytest.mark.parametrize("name", ["commit-h12-q8-i32-bulk-t256-v4-r1-pdl",

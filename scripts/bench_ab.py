@@ -38,6 +38,7 @@ def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)  # then kdagen bench's options
     opts, bench = parser.parse_args(argv[:split]), argv[split + 1 :]
+    opts.out = opts.out.resolve()  # each tree's bench runs in that tree: one folder for both
     opts.out.mkdir(parents=True, exist_ok=True)
     for n in range(opts.rounds):
         for side, tree in (("a", opts.a), ("b", opts.b)):

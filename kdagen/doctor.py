@@ -92,10 +92,16 @@ def diagnose(
     arch = _ARCHS.get(fingerprint.rsplit("-", 2)[-2], "")
     plans, _ = plan_studies(spaces, workloads, arch) if arch else ([], [])
     for plan in plans:
+        untuned_space = (
+            bool(table.space.get(plan.kernel)) and plan.key not in table.space[plan.kernel]
+        )
         for batch in plan.batches:
             found.studies += 1
             entry, how = table.lookup(plan.kernel, plan.key, batch)
-            if how == "nearest" and entry is not None:
+            if untuned_space:  # as dispatch.resolve: a space the table was not tuned with
+                found.fallbacks.append((plan.key, batch, "the built-in choice (a key of a "
+                                        "space the table was not tuned with)"))  # fmt: skip
+            elif how == "nearest" and entry is not None:
                 found.fallbacks.append((plan.key, batch, f"nearest tuned bucket {entry.batch}"))
             elif how == "gpu-default" and entry is not None:
                 found.fallbacks.append((plan.key, batch, f"the per-GPU default for {plan.kernel} "

@@ -15,9 +15,11 @@ Which variants: for each key and each batch bucket the table has for it, the var
 run-time's own lookup picks (``dispatch.resolve`` over the built-in heuristic), so any batch
 resolves to a held kernel: between buckets the lookup takes the nearest one, and it stays
 inside the table's search space. A key of a shipped space the table was not tuned with
-(windows past 8, conv trees, the tree commit) runs the built-in choice: every point of its
-shipped space is packaged. A stale table is refused, as at run time, and so is a key no
-shipped space holds (no variant of it was checked on a GPU).
+(the commit after 16 tokens, conv trees, the tree commit) runs the built-in choice: every
+variant it takes at any batch is packaged. Without ``--key``, the package also holds the
+commit of every verify window it serves where the table did not tune that commit. A stale
+table is refused, as at run time, and so is a key no shipped space holds (no variant of it
+was checked on a GPU).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
     from kdagen.serve.dispatch import DispatchTable
 
 SERVE = Path(__file__).resolve().parent / "serve"
+# The batches at which an untuned key's built-in choice is taken: the heuristics switch at
+# batch x heads thresholds of a few hundred (kdagen.serve.runtime), so every choice shows up.
+SCANNED_BATCHES = (*range(1, 4097), 1 << 14, 1 << 17, 1 << 20)
 
 
 class EmitError(RuntimeError):
@@ -130,7 +135,8 @@ def emit(
 
 def selected_keys(table: DispatchTable, keys: Sequence[str] | None, gate: str | None) -> list[str]:
     """The contract keys to serve: ``keys`` (with the commit builds the run-time sends their
-    calls to), else every tuned key (of ``gate`` when given)."""
+    calls to), else every tuned key (of ``gate`` when given) and the commits of their verify
+    windows where the table did not tune them (a package that verifies a window commits it)."""
     if gate not in (None, "kda", "softplus"):
         raise EmitError(f"--gate {gate!r}: expected kda or softplus")
     if gate and keys:
@@ -138,7 +144,30 @@ def selected_keys(table: DispatchTable, keys: Sequence[str] | None, gate: str | 
     if keys:
         return [*keys, *(k for k in _lean_commit_keys(table, keys) if k not in keys)]
     gates = {k: str(parse_contract_key(k).get("gate", "kda")) for k in table.entries}
-    return [k for k in table.entries if gate in (None, gates[k])]
+    tuned = [k for k in table.entries if gate in (None, gates[k])]
+    return [*tuned, *(k for k in _untuned_commit_keys(table, tuned) if k not in tuned)]
+
+
+def _untuned_commit_keys(table: DispatchTable, keys: Sequence[str]) -> list[str]:
+    """The commit keys (both builds) that follow the verify keys in ``keys``, where the table
+    has no entries for them and a shipped space holds them: e.g. the commit after 16 tokens
+    before a table tunes it."""
+    arch = str(table.device.get("arch") or "")
+    found = []
+    for key in keys:
+        fields = parse_contract_key(key)
+        if fields.pop("kernel") != "verify":
+            continue
+        conv = fields.pop("conv", False)
+        for name in ("conv_layout", "conv_weight_dtype"):
+            fields.pop(name, None)
+        # A tree with the conv commits its path with the conv history (the tree commit).
+        fields["tree"] = bool(fields.get("tree")) and conv
+        general = Variant(kernel="commit", **fields).contract_key
+        for commit in (general, lean_commit_key(fields)):
+            if commit not in table.entries and commit in _shipped_points(arch):
+                found.append(commit)
+    return list(dict.fromkeys(found))
 
 
 def _lean_commit_keys(table: DispatchTable, keys: Sequence[str]) -> list[str]:
@@ -174,9 +203,11 @@ def _write_kernels(package: Path, arch: str, objects: dict[str, tuple[Path, str]
 
 def _untuned_points(table: DispatchTable, key: str, arch: str) -> frozenset[str]:
     """Empty for a key of the space the table was tuned with; else (a shipped space the table
-    was not tuned with, e.g. windows past 8, conv trees) every point of its shipped space, all
-    packaged: the run-time runs the built-in choice there, which may move with the batch."""
-    kernel = parse_contract_key(key)["kernel"]  # a malformed key: the parser's error
+    was not tuned with, e.g. the commit after 16 tokens, conv trees) every variant the
+    run-time's built-in choice can take for it at any batch, all packaged; each must be a
+    point of the key's shipped space (checked on a GPU)."""
+    contract = parse_contract_key(key)  # a malformed key: the parser's error
+    kernel = contract.pop("kernel")
     if not table.space.get(kernel) or key in table.space[kernel]:
         return frozenset()
     points = _shipped_points(arch).get(key)
@@ -185,7 +216,15 @@ def _untuned_points(table: DispatchTable, key: str, arch: str) -> frozenset[str]
             f"{key} is in no search space of this checkout for {arch}, so no variant of it "
             "was checked on a GPU; add it to a space, run `kdagen check` (and `kdagen tune`)"
         )
-    return points
+    from kdagen.serve.runtime import heuristic_variant
+
+    sms = table.device.get("sms")
+    reachable = {heuristic_variant(kernel, contract, b, arch, sms).name for b in SCANNED_BATCHES}
+    unchecked = sorted(reachable - points)
+    if unchecked:
+        raise EmitError(f"{key}: the built-in choice {unchecked[0]} is not in its shipped "
+                        "space, so it was never checked; not packaging it")  # fmt: skip
+    return frozenset(reachable)
 
 
 def _choices(table: DispatchTable, key: str, arch: str, untuned: frozenset[str]) -> dict[int, str]:

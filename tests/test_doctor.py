@@ -4,6 +4,7 @@ generated/ holding the shipped H200 table, fingerprints given on the command lin
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kdagen.cli import app
+from kdagen.doctor import diagnose
 from kdagen.serve import dispatch
 from kdagen.serve.resources import data_dir
 from kdagen.space import DEFAULT_SPACES
@@ -57,15 +59,22 @@ def test_own_fresh_table_with_every_study_tuned_exits_0(generated: Path, workloa
     assert "12 studies of the workloads: 12 tuned, 0 fall back" in out
 
 
-def test_the_shipped_workloads_over_every_shipped_space_need_no_re_tune(generated: Path) -> None:
+def test_the_shipped_workloads_over_every_shipped_space_need_only_the_wide_commits(
+    generated: Path,
+) -> None:
     """What `kdagen regenerate` decides on: a space added without workloads of its own (e.g.
-    the tree commit, which serves conv trees only) must not turn the table incomplete."""
+    the tree commit, which serves conv trees only) must not turn the table incomplete. The
+    commit after 16 tokens (commit_wide.yaml, shipped before its H200 tune) is what the H200
+    table lacks: the 16-token workloads' 40 commit studies, and nothing else."""
     args = ["doctor", "--fingerprint", H200, "--workloads", "workloads.yaml"]
     for space in DEFAULT_SPACES:
         args += ["--space", space]
     result = runner.invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert "0 fall back" in result.output
+    assert result.exit_code == 1 and "40 fall back" in result.output, result.output
+    found = diagnose(H200, "workloads.yaml", DEFAULT_SPACES, generated)
+    assert len(found.fallbacks) == 40
+    for key, _, why in found.fallbacks:
+        assert re.fullmatch(r"commit-h\d+-q16-.*i32", key) and why.startswith("the built-in choice")
 
 
 def test_untuned_buckets_and_keys_are_listed_and_exit_1(generated: Path, tmp_path: Path) -> None:

@@ -150,8 +150,29 @@ def test_gate_selects_one_models_keys() -> None:
     table = load_table(TABLE)
     assert table is not None
     softplus, kda = selected_keys(table, None, "softplus"), selected_keys(table, None, "kda")
-    assert softplus and kda and sorted(softplus + kda) == sorted(table.entries)
+    tuned = [k for k in softplus + kda if k in table.entries]
+    assert softplus and kda and sorted(tuned) == sorted(table.entries)
     assert all("-softplus-" in k for k in softplus) and not any("softplus" in k for k in kda)
+
+
+def test_a_package_commits_every_window_it_verifies() -> None:
+    """The table tunes verify at 16 tokens but not yet the commit after it: the default
+    selection adds that commit's keys (both builds, from commit_wide.yaml), and every verify
+    key then has its commit."""
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    table = load_table(TABLE)
+    assert table is not None and "verify-h12-q16-i32" in table.entries
+    for gate in ("kda", "softplus"):
+        keys = selected_keys(table, None, gate)
+        added = [k for k in keys if k not in table.entries]
+        assert added and all(k.startswith("commit-") and "-q16-" in k for k in added), added
+        for key in keys:
+            if key.startswith("verify-") and "-conv-" not in key:
+                chain = key.replace("verify-", "commit-").replace("-tree", "")
+                assert chain in keys, (key, chain)
+    kda = selected_keys(table, None, "kda")
+    assert {"commit-h12-q16-i32", "commit-h12-q16-noprefix-i32"} <= set(kda)
     with pytest.raises(EmitError, match="--gate 'relu': expected kda or softplus"):
         selected_keys(table, None, "relu")
     with pytest.raises(EmitError, match="give it or --key, not both"):
@@ -199,20 +220,21 @@ def test_an_untuned_key_gets_only_checked_variants(tmp_path: Path) -> None:
         emit(TABLE, tmp_path / "other", keys=["verify-h64-q8-i32"])
 
 
-def test_keys_of_untuned_shipped_spaces_are_packaged_whole(tmp_path: Path) -> None:
+def test_keys_of_untuned_shipped_spaces_hold_every_built_in_choice(tmp_path: Path) -> None:
     """Conv trees and the tree commit (shipped spaces the table was not tuned with) run the
-    built-in choice, which moves with the batch for the commit: the package holds every
-    checked point of such a key, and its run-time picks only held kernels at any batch."""
+    built-in choice, which moves with the batch for the commit: the package holds each
+    variant it takes, and its run-time picks only held kernels at any batch."""
     if not (TABLE / TABLE_FILE).exists():
         pytest.skip("no committed H200 table")
-    keys = ["verify-h12-q4-tree-conv-tm-bf16-i32", "commit-h12-q4-tree-i32"]
+    keys = ["verify-h12-q4-tree-conv-tm-bf16-i32", "commit-h12-q4-tree-i32", "commit-h12-q16-i32"]
     table = load_table(TABLE)
     assert table is not None and not set(keys) & set(table.entries)
     emitted = emit(TABLE, tmp_path, "kda_tree_kernels", keys, jobs=2)
     assert set(emitted.variants) == {
         f"{keys[0]}-sm90_wgmma-t128-r1-c396-s1-pdl",
-        *(f"{keys[1]}-bulk-{t}-pdl" for t in ("t128-v4-r4", "t128-v4-r2", "t256-v4-r1")),
-    }
+        *(f"{key}-bulk-{t}-pdl" for t in ("t128-v4-r4", "t128-v4-r2", "t256-v4-r1")
+          for key in keys[1:]),
+    }  # fmt: skip
     result = run_isolated(
         emitted.package,
         """
@@ -222,11 +244,13 @@ def test_keys_of_untuned_shipped_spaces_are_packaged_whole(tmp_path: Path) -> No
         table = dispatch.load_table(dispatch.generated_root() / "nvidia-h200-sm90-132sm")
         warnings.simplefilter("ignore")
         chosen = {}
+        kinds = (("verify", {"tree": True, "conv": True}), ("commit", {"tree": True}),
+                 ("commit", {"window": 16}))
         for batch in (1, 3, 8, 20, 30, 64, 100, 512, 4096):
-            for kernel, tree in (("verify", {"conv": True}), ("commit", {})):
-                contract = {"heads": 12, "window": 4, "slot_dtype": "int32", "tree": True, **tree}
+            for n, (kernel, fields) in enumerate(kinds):
+                contract = {"heads": 12, "window": 4, "slot_dtype": "int32", **fields}
                 base = runtime.heuristic_variant(kernel, contract, batch, "sm_90a", 132)
-                chosen[f"{kernel} {batch}"] = dispatch.resolve(table, kernel, base, batch).name
+                chosen[f"{n} {batch}"] = dispatch.resolve(table, kernel, base, batch).name
         result = chosen
         """,
     )

@@ -34,13 +34,15 @@ def _representative(space: str) -> list[str]:
 
 
 # The shipped commits, those that fold on the tensor cores (search_spaces/commit_mma.yaml),
-# those past 8 tokens (search_spaces/commit_wide.yaml) and those that stage their rows through
-# a ring (search_spaces/commit_ring.yaml).
+# those past 8 tokens (search_spaces/commit_wide.yaml), between commit.yaml's windows
+# (search_spaces/commit_between.yaml) and those that stage their rows through a ring
+# (search_spaces/commit_ring.yaml).
 @pytest.mark.parametrize(
     "name",
     _representative("commit.yaml")
     + _representative("commit_mma.yaml")
     + _representative("commit_wide.yaml")
+    + _representative("commit_between.yaml")
     + _representative("commit_ring.yaml"),
 )
 def test_commit_variant_matches_reference(name: str) -> None:

@@ -573,6 +573,36 @@ def doctor(
     raise typer.Exit(found.code)
 
 
+@app.command()
+def carry(
+    kernel: str = typer.Option(
+        ..., help="the kernel whose measured variants changed: verify or commit"
+    ),
+    reason: str = typer.Option(..., help="what the change fixes (recorded in the table)"),
+    evidence: Path = typer.Option(
+        ...,
+        help="the A/B of the change's cost: both renders timed in one process, a file in "
+        "the checkout (recorded in the table)",
+    ),
+    fingerprint: str = typer.Option("nvidia-h200-sm90-132sm", help="the table's GPU"),
+) -> None:
+    """Keep a table's choices for KERNEL over a correctness change to its measured kernels,
+    ahead of the re-tune (the run-time warns, `doctor` reports it, a re-tune re-times it)."""
+    from kdagen.carry import CarryError
+    from kdagen.carry import carry as carry_table
+    from kdagen.serve.dispatch import generated_root
+
+    folder = generated_root() / fingerprint
+    try:
+        table = carry_table(folder, kernel, reason, evidence)
+    except CarryError as err:
+        typer.echo(f"kdagen carry: {err}", err=True)
+        raise typer.Exit(2) from None
+    c = table.carried[kernel]
+    typer.echo(f"{folder}: {kernel} carried from render {c['from_render_hash']} to "
+               f"{table.render_hashes[kernel]} ({c['reason']}; {c['evidence']})")  # fmt: skip
+
+
 from kdagen.tune_cli import regenerate, tune  # noqa: E402  (kdagen/tune_cli.py)
 
 app.command()(tune)

@@ -33,6 +33,7 @@ class Diagnosis:
     created: str = ""
     dsl_version: str = ""
     stale: dict[str, str] = field(default_factory=dict)  # kernel -> why
+    carried: dict[str, dict[str, str]] = field(default_factory=dict)  # kernel -> `kdagen carry`'s
     studies: int = 0
     fallbacks: list[tuple[str, int, str]] = field(default_factory=list)  # key, batch, how
     missing: bool = False
@@ -41,7 +42,7 @@ class Diagnosis:
     def code(self) -> int:
         if self.missing or self.stale:
             return UNSERVED
-        return FALLS_BACK if self.borrowed_from or self.fallbacks else SERVED
+        return FALLS_BACK if self.borrowed_from or self.fallbacks or self.carried else SERVED
 
     def lines(self, most: int = 20) -> list[str]:
         if self.missing:
@@ -54,6 +55,9 @@ class Diagnosis:
                f"with nvidia-cutlass-dsl {self.dsl_version})"]  # fmt: skip
         out += [f"  {kernel}: STALE, refused at run time: {why}" for kernel, why in
                 sorted(self.stale.items())]  # fmt: skip
+        out += [f"  {kernel}: carried: timings measured before {c['reason']} (its cost: "
+                f"{c['evidence']}); re-tune to re-time" for kernel, c in
+                sorted(self.carried.items())]  # fmt: skip
         tuned = self.studies - len(self.fallbacks)
         out.append(f"  {self.studies} studies of the workloads: {tuned} tuned, "
                    f"{len(self.fallbacks)} fall back")  # fmt: skip
@@ -89,6 +93,8 @@ def diagnose(
         why = staleness(table, kernel)  # what the run-time's check_fresh refuses
         if why:
             found.stale[kernel] = why
+        elif kernel in table.carried:
+            found.carried[kernel] = table.carried[kernel]
     arch = _ARCHS.get(fingerprint.rsplit("-", 2)[-2], "")
     plans, _ = plan_studies(spaces, workloads, arch) if arch else ([], [])
     for plan in plans:

@@ -78,6 +78,10 @@ class DispatchTable:
     # kernel -> contract key -> every variant of the search spaces the table was tuned from
     # for this GPU's arch: what `kdagen check` verifies, so the lookup stays inside it.
     space: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # kernel -> a correctness change shipped ahead of its re-tune (``kdagen carry``): the
+    # render hash the timings were measured on, why the kernels changed, and the same-process
+    # A/B that measured the change's cost. The choices stand; the timings are the old render's.
+    carried: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # ---- serialisation ----
     def to_json(self) -> str:
@@ -113,6 +117,7 @@ class DispatchTable:
                 kernel: {key: list(names) for key, names in keys.items()}
                 for kernel, keys in data.get("space", {}).items()
             },
+            carried={k: dict(v) for k, v in data.get("carried", {}).items()},
         )
 
     # ---- staleness and lookup ----
@@ -307,6 +312,10 @@ def _choose(kernel: str, batch: int, heuristic: Callable[[], Variant], device: A
     if (folder, kernel) not in _fresh:
         check_fresh(table, kernel, str(folder / TABLE_FILE))
         _fresh.add((folder, kernel))
+        if kernel in table.carried:
+            why = table.carried[kernel].get("reason", "")
+            _warn_once(kernel, "carried", f"{kernel}: the table's timings were measured before "
+                       f"{why}; its choices stand until this GPU is re-tuned")  # fmt: skip
     return resolve(table, kernel, base, batch)
 
 

@@ -53,6 +53,10 @@ def doctor(fingerprint: str, workloads: Path, *spaces: str) -> tuple[int, str]:
 
 
 def test_own_fresh_table_with_every_study_tuned_exits_0(generated: Path, workloads: Path) -> None:
+    path = generated / H200 / "dispatch.json"
+    data = json.loads(path.read_text())
+    if data.pop("carried", None):  # a carried kernel asks for a re-tune (tests/test_carry.py)
+        path.write_text(json.dumps(data))
     code, out = doctor(H200, workloads)
     assert code == 0, out
     assert f"{H200}: served by {generated / H200} (its own table" in out

@@ -56,13 +56,11 @@ def carry(folder: Path, kernel: str, reason: str, evidence: Path) -> DispatchTab
         raise CarryError(f"a measured {kernel} variant no longer exists: {err}") from None
     if now == made:
         raise CarryError(f"the {kernel} kernels the table measured render as they did: fresh")
-    earlier = table.carried.get(kernel)  # carried before: the timings are older still
+    earlier = table.carried.get(kernel, {})  # carried before: the timings are older still
     table.carried[kernel] = {
-        "from_render_hash": earlier["from_render_hash"] if earlier else made,
-        "reason": f"{earlier['reason']}; {reason.strip()}" if earlier else reason.strip(),
-        "evidence": f"{earlier['evidence']}, {evidence.as_posix()}"
-        if earlier
-        else evidence.as_posix(),
+        "from_render_hash": earlier.get("from_render_hash", made),
+        "reason": "; ".join(filter(None, (earlier.get("reason"), reason.strip()))),
+        "evidence": ", ".join(filter(None, (earlier.get("evidence"), evidence.as_posix()))),
     }
     table.render_hashes[kernel] = now
     table.template_hashes[kernel] = template_digest(kernel)

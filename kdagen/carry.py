@@ -5,10 +5,11 @@ run-time refuses it until the GPU is re-tuned. When the change fixes a defect (a
 a tensor, a race) and the GPU the table belongs to is out of reach, that would hold the fix
 back. Carrying keeps the table's choices for the changed kernels and records, in the table,
 the render hash its timings were measured on, why the kernels changed and the A/B that
-measured the change's cost (a file in the checkout: same process, both renders). The run-time
-then serves the table with one warning, ``kdagen doctor`` reports the kernel as carried (exit
-1), and ``kdagen regenerate`` or ``kdagen tune --refresh`` on that GPU re-times it: the
-studies still carry the old render's stamps.
+measured the change's cost (a file in the checkout: both renders timed alternately on one GPU
+of the table's architecture, ``scripts/bench_ab.py``). The run-time then serves the table with
+one warning, ``kdagen doctor`` reports the kernel as carried (exit 1), and ``kdagen
+regenerate`` or ``kdagen tune --refresh`` on that GPU re-times it: the studies still carry the
+old render's stamps.
 
 Only the render may differ: the same nvidia-cutlass-dsl and measured variants that still
 exist (so every choice is still a point of the table's recorded space).

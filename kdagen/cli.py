@@ -581,8 +581,8 @@ def carry(
     reason: str = typer.Option(..., help="what the change fixes (recorded in the table)"),
     evidence: Path = typer.Option(
         ...,
-        help="the A/B of the change's cost: both renders timed in one process, a file in "
-        "the checkout (recorded in the table)",
+        help="the A/B of the change's cost (scripts/bench_ab.py: both renders, alternating "
+        "processes on one GPU), a file in the checkout (recorded in the table)",
     ),
     fingerprint: str = typer.Option("nvidia-h200-sm90-132sm", help="the table's GPU"),
 ) -> None:

@@ -79,8 +79,8 @@ class DispatchTable:
     # for this GPU's arch: what `kdagen check` verifies, so the lookup stays inside it.
     space: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     # kernel -> a correctness change shipped ahead of its re-tune (``kdagen carry``): the
-    # render hash the timings were measured on, why the kernels changed, and the same-process
-    # A/B that measured the change's cost. The choices stand; the timings are the old render's.
+    # render hash the timings were measured on, why the kernels changed, and the A/B that
+    # measured the change's cost. The choices stand; the timings are the old render's.
     carried: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # ---- serialisation ----

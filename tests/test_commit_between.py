@@ -1,6 +1,7 @@
-"""The commit between commit.yaml's windows (search_spaces/commit_between.yaml: 3, 5, 6 and 7
-tokens): its space against commit.yaml's keys, and GPU-less compiles of its heaviest variants
-for both archs without a stack frame."""
+"""The commit between the shipped windows (search_spaces/commit_between.yaml: 3, 5, 6, 7 and 9
+to 15 tokens, chains and the tree commit): its space against the shipped commit spaces' keys
+and the built-in choice, and GPU-less compiles of its heaviest variants for both archs
+without a stack frame."""
 
 from __future__ import annotations
 
@@ -13,36 +14,43 @@ from kdagen.serve.runtime import default_commit_variant
 from kdagen.serve.variant import Variant
 from kdagen.space import DEFAULT_SPACES, Space
 
-WINDOWS = (3, 5, 6, 7)
-# The most registers on sm_90a (134, int64 slots at 8 bf16 a thread and one CTA a head, Q 7),
-# and the other builds and gates at other tuning points.
+WINDOWS = (3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15)
+# The most registers on sm_90a (160: the softplus gate at Q 15, t128 r2), a tree commit, the
+# build without prefix caching, int64 slots.
 SAMPLE = (
-    "commit-h32-q7-i64-bulk-t128-v8-r1-pdl",
+    "commit-h32-q15-softplus-i32-bulk-t128-v4-r2-pdl",
+    "commit-h32-q15-softplus-tree-i64-bulk-t128-v4-r2-pdl",
     "commit-h12-q3-noprefix-i32-bulk-t128-v4-r4-pdl",
-    "commit-h16-q5-softplus-noprefix-i32-bulk-t256-v8-r2-pdl",
-    "commit-h4-q6-softplus-i64-bulk-t256-v4-r1-pdl",
+    "commit-h4-q9-softplus-i64-bulk-t256-v4-r1-pdl",
 )
 
 
-def test_space_holds_commit_yaml_keys_between_its_windows() -> None:
+def _keys(space: str, window: int) -> set[str]:
+    return {v.contract_key for v in Space.load(space).expand().variants if v.window == window}
+
+
+def test_space_holds_the_shipped_commit_keys_between_their_windows() -> None:
     between = Space.load("commit_between.yaml").expand().variants
     assert "commit_between.yaml" not in DEFAULT_SPACES  # shipped once a GPU has checked it
     assert {v.window for v in between} == set(WINDOWS) and {v.fold_paths for v in between} == {1}
-    at4 = {v.contract_key for v in Space.load("commit.yaml").expand().variants if v.window == 4}
+    at4 = _keys("commit.yaml", 4) | _keys("commit_tree.yaml", 4)
     keys = {v.contract_key for v in between}
     assert keys == {k.replace("-q4-", f"-q{q}-") for k in at4 for q in WINDOWS}
     assert all(Variant.parse(v.name) == v for v in between)
 
 
-def test_the_built_in_choice_is_a_point_of_the_space() -> None:
-    """Untuned, these keys run the run-time's built-in choice at every batch (as the commit
-    after 16 tokens does), so each choice must be one of the points a check covers."""
-    names = {v.name for v in Space.load("commit_between.yaml").expand().variants}
-    for variant in Space.load("commit_between.yaml").expand().variants:
-        for batch in (1, 8, 20, 64, 512, 4096):
-            chosen = default_commit_variant(variant.heads, variant.window, variant.slot_dtype,
-                                            batch, variant.gate, False, variant.prefix_caching)  # fmt: skip
-            assert chosen.name in names, chosen.name
+def test_its_points_are_the_built_in_choices_at_every_batch() -> None:
+    """Untuned, these keys run only the run-time's built-in choice, so the space holds exactly
+    the choices it makes over every batch."""
+    between = Space.load("commit_between.yaml").expand().variants
+    chosen = {
+        default_commit_variant(
+            v.heads, v.window, v.slot_dtype, batch, v.gate, v.tree, v.prefix_caching
+        ).name  # fmt: skip
+        for v in between
+        for batch in (*range(1, 129), 512, 4096)  # its thresholds: batch x heads 128, 384
+    }
+    assert chosen == {v.name for v in between}
 
 
 @pytest.mark.parametrize("name", SAMPLE)

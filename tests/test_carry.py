@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tables import serve_tables_from
 from typer.testing import CliRunner
 
 from kdagen.carry import CarryError, carry
@@ -35,10 +36,7 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     data["render_hashes"]["verify"] = OLD
     data.pop("carried", None)  # whatever the shipped table carries: these tests carry anew
     (root / H200 / "dispatch.json").write_text(json.dumps(data))
-    monkeypatch.setenv("KDAGEN_GENERATED", str(root))
-    monkeypatch.setenv("KDAGEN_FINGERPRINT", H200)
-    monkeypatch.delenv("KDAGEN_DISPATCH", raising=False)
-    dispatch.reset()
+    serve_tables_from(monkeypatch, root, H200)
     yield root / H200
     dispatch.reset()
 

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tables import serve_tables_from
 
 from kdagen.render import dsl_version, kernels_digest, template_digest
 from kdagen.serve import dispatch
@@ -58,10 +59,7 @@ def make_table(**changes: object) -> DispatchTable:
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    monkeypatch.setenv("KDAGEN_GENERATED", str(tmp_path))
-    monkeypatch.setenv("KDAGEN_FINGERPRINT", GPU)
-    monkeypatch.delenv("KDAGEN_DISPATCH", raising=False)
-    dispatch.reset()
+    serve_tables_from(monkeypatch, tmp_path, GPU)
     yield tmp_path / GPU
     dispatch.reset()
 

@@ -9,7 +9,8 @@ measured the change's cost (a file in the checkout: both renders timed alternate
 of the table's architecture, ``scripts/bench_ab.py``). The run-time then serves the table with
 one warning, ``kdagen doctor`` reports the kernel as carried (exit 1), and ``kdagen
 regenerate`` or ``kdagen tune --refresh`` on that GPU re-times it: the studies still carry the
-old render's stamps.
+old render's stamps (a ``--match`` tune that would write the table without re-timing them is
+refused).
 
 Only the render may differ: the same nvidia-cutlass-dsl and measured variants that still
 exist (so every choice is still a point of the table's recorded space).

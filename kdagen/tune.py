@@ -63,7 +63,7 @@ from kdagen.search import (
     recorded,
     replay_efficiency,
 )
-from kdagen.serve.dispatch import generated_root, nearest_point
+from kdagen.serve.dispatch import generated_root, load_table, nearest_point
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads, name_matches
 from kdagen.storage import describe, folder_url, open_storage, pack_folder
@@ -285,6 +285,9 @@ def _run(
     _say_restarts(stale, echo)  # deleted by whichever process claims each (run_one)
     ledger = Ledger(checked=passed_checks(options.checked))
     fresh = fresh_studies(storage, stamp)
+    if options.match:  # a full run re-times every key it can; a partial one may drop some
+        every, _ = plan_studies(options.spaces, options.workloads, device["arch"])
+        _refuse_dropping_carried(folder, {p.key for p in every} - {p.key for p in plans}, fresh)
     for study in fresh:
         ledger.add_study(study)
     progress = Progress(echo)
@@ -354,6 +357,29 @@ def _run(
         if not options.storage:
             pack_folder(folder)
     return TuneResult(folder, results, notes, wall, bool(device.get("simulated")))
+
+
+def _refuse_dropping_carried(
+    folder: Path, skipped: set[str], fresh: Sequence[optuna.Study]
+) -> None:
+    """The table is written from fresh studies only, so a ``--match`` run that skips keys of a
+    carried kernel (``kdagen carry``) whose studies are not fresh would write the table without
+    them: refused before any GPU time is spent. ``skipped``: the keys a run without ``--match``
+    would plan and this one does not."""
+    table = load_table(folder)
+    if table is None or not table.carried:
+        return
+    fresh_keys = {s.user_attrs.get("key") for s in fresh}
+    for kernel, record in sorted(table.carried.items()):
+        dropped = sorted(k for k in table.entries
+                         if k.startswith(f"{kernel}-") and k in skipped and k not in fresh_keys)  # fmt: skip
+        if dropped:
+            raise TuneError(
+                f"{folder / 'dispatch.json'} carries {kernel} ({record.get('reason')}): this run "
+                f"does not re-time {len(dropped)} of its keys (e.g. {dropped[0]}), so the table "
+                "it writes would lose them; tune them too (without --match, or a --match that "
+                "names them)"
+            )
 
 
 def passed_checks(paths: Sequence[Path]) -> set[str]:

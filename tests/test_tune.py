@@ -877,3 +877,19 @@ def test_a_sharded_check_first_spares_the_tuner_its_checks(tmp_path: Path, workl
         fixed_default)  # fmt: skip
     folder = other / "gen" / "simulated-h200-sm90-132sm"
     assert "ok" in status_of_wrong() and "failed" not in status_of_wrong()
+
+
+def test_a_run_that_would_drop_a_carried_kernel_is_refused(tmp_path: Path, workloads: Path) -> None:
+    """A table that carries a kernel (``kdagen carry``) loses a key a ``--match`` run skips
+    and finds stale (the table is written from fresh studies): refused before timing."""
+    run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    data = json.loads((folder / "dispatch.json").read_text())
+    other = KEY.replace("-i32", "-i64")  # planned by a run without --match, skipped by this one
+    entry = dict(data["entries"][KEY][0], variant=data["entries"][KEY][0]["variant"].replace(
+        KEY, other))  # fmt: skip
+    data["entries"][other] = [entry]
+    data["carried"] = {"commit": {"from_render_hash": "0" * 16, "reason": "a fix", "evidence": "x"}}
+    (folder / "dispatch.json").write_text(json.dumps(data))
+    with pytest.raises(TuneError, match=f"carries commit .a fix.: .* 1 of its keys .e.g. {other}"):
+        run(options(tmp_path, workloads, simulate={}), lambda s: None, fixed_default)

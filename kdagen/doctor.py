@@ -98,9 +98,7 @@ def diagnose(
     arch = _ARCHS.get(fingerprint.rsplit("-", 2)[-2], "")
     plans, _ = plan_studies(spaces, workloads, arch) if arch else ([], [])
     for plan in plans:
-        untuned_space = (
-            bool(table.space.get(plan.kernel)) and plan.key not in table.space[plan.kernel]
-        )
+        untuned_space = table.untuned_space(plan.kernel, plan.key)
         for batch in plan.batches:
             found.studies += 1
             entry, how = table.lookup(plan.kernel, plan.key, batch)

@@ -208,7 +208,7 @@ def _untuned_points(table: DispatchTable, key: str, arch: str) -> frozenset[str]
     point of the key's shipped space (checked on a GPU)."""
     contract = parse_contract_key(key)  # a malformed key: the parser's error
     kernel = contract.pop("kernel")
-    if not table.space.get(kernel) or key in table.space[kernel]:
+    if not table.untuned_space(kernel, key):
         return frozenset()
     points = _shipped_points(arch).get(key)
     if not points:

@@ -36,15 +36,10 @@ def _representative(space: str) -> list[str]:
 def _one_per_window(space: str) -> list[str]:
     """One variant per (window, gate, build, tree) of a space with many windows, spread over
     its head counts and tuning points."""
-    variants = Space.load(space).expand().variants
-    seen: dict[tuple, int] = {}
-    for v in variants:
-        seen.setdefault((v.window, v.gate, v.prefix_caching, v.tree), 0)
-    picked = []
-    for n, group in enumerate(seen):
-        members = [v for v in variants if (v.window, v.gate, v.prefix_caching, v.tree) == group]
-        picked.append(members[(7 * n) % len(members)].name)
-    return picked
+    groups: dict[tuple, list[str]] = {}
+    for v in Space.load(space).expand().variants:
+        groups.setdefault((v.window, v.gate, v.prefix_caching, v.tree), []).append(v.name)
+    return [names[(7 * n) % len(names)] for n, names in enumerate(groups.values())]
 
 
 # The shipped commits, those that fold on the tensor cores (search_spaces/commit_mma.yaml),

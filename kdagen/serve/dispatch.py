@@ -154,6 +154,12 @@ class DispatchTable:
             )
         return "; ".join(changed) or None
 
+    def untuned_space(self, kernel: str, key: str) -> bool:
+        """Whether ``key`` belongs to a space the table was not tuned with: its recorded space
+        holds other keys of ``kernel`` but not this one (the run-time runs the built-in
+        choice there)."""
+        return bool(self.space.get(kernel)) and key not in self.space[kernel]
+
     def keeps(self, kernel: str, key: str, name: str) -> bool:
         """Whether the run-time keeps variant ``name`` of contract ``key`` (``inside_space``):
         the table's space holds it, or holds no point of its key."""
@@ -327,7 +333,7 @@ def resolve(table: DispatchTable, kernel: str, base: Variant, batch: int) -> Var
     default was measured on other kernels' keys, and the built-in choice is the point the
     shipped spaces check. Warns once per (key, reason) on every fallback."""
     key = base.contract_key
-    if table.space.get(kernel) and key not in table.space[kernel]:
+    if table.untuned_space(kernel, key):
         _warn_once(
             key, "untuned-space",
             f"{key}: outside the search space the table was tuned with on {table.fingerprint}; "

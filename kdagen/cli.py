@@ -494,7 +494,10 @@ def emit(
     out: Path = typer.Option(Path("out/emit"), help="the package is written to OUT/NAME"),
     name: str = typer.Option("kda_kernels", help="the package's import name"),
     key: list[str] = typer.Option(
-        None, "--key", help="contract key to serve (repeatable; default: every tuned key)"
+        None,
+        "--key",
+        help="contract key to serve (repeatable; default: every tuned key); a verify key brings "
+        "its window's commit",
     ),
     gate: str = typer.Option(
         None,

@@ -16,8 +16,8 @@ run-time's own lookup picks (``dispatch.resolve`` over the built-in heuristic), 
 resolves to a held kernel: between buckets the lookup takes the nearest one, and it stays
 inside the table's search space. A key of a shipped space the table was not tuned with
 (the commit after 16 tokens, conv trees, the tree commit) runs the built-in choice: every
-variant it takes at any batch is packaged. Without ``--key``, the package also holds the
-commit of every verify window it serves where the table did not tune that commit. A stale
+variant it takes at any batch is packaged. The package also holds the commit (both builds)
+of every verify window it serves, where the table tuned it or a shipped space holds it. A stale
 table is refused, as at run time, and so is a key no shipped space holds (no variant of it
 was checked on a GPU).
 """
@@ -135,23 +135,24 @@ def emit(
 
 def selected_keys(table: DispatchTable, keys: Sequence[str] | None, gate: str | None) -> list[str]:
     """The contract keys to serve: ``keys`` (with the commit builds the run-time sends their
-    calls to), else every tuned key (of ``gate`` when given) and the commits of their verify
-    windows where the table did not tune them (a package that verifies a window commits it)."""
+    calls to), else every tuned key (of ``gate`` when given); either with the commits of
+    their verify windows (a package that verifies a window commits it)."""
     if gate not in (None, "kda", "softplus"):
         raise EmitError(f"--gate {gate!r}: expected kda or softplus")
     if gate and keys:
         raise EmitError("--gate selects among the tuned keys; give it or --key, not both")
     if keys:
-        return [*keys, *(k for k in _lean_commit_keys(table, keys) if k not in keys)]
-    gates = {k: str(parse_contract_key(k).get("gate", "kda")) for k in table.entries}
-    tuned = [k for k in table.entries if gate in (None, gates[k])]
-    return [*tuned, *(k for k in _untuned_commit_keys(table, tuned) if k not in tuned)]
+        served = [*keys, *_lean_commit_keys(table, keys)]
+    else:
+        gates = {k: str(parse_contract_key(k).get("gate", "kda")) for k in table.entries}
+        served = [k for k in table.entries if gate in (None, gates[k])]
+    return list(dict.fromkeys([*served, *_window_commit_keys(table, served)]))
 
 
-def _untuned_commit_keys(table: DispatchTable, keys: Sequence[str]) -> list[str]:
+def _window_commit_keys(table: DispatchTable, keys: Sequence[str]) -> list[str]:
     """The commit keys (both builds) that follow the verify keys in ``keys``, where the table
-    has no entries for them and a shipped space holds them: e.g. the commit after 16 tokens
-    before a table tunes it."""
+    tuned them or a shipped space holds them (e.g. the commit after 16 tokens, or after 3,
+    before a table tunes it)."""
     arch = str(table.device.get("arch") or "")
     found = []
     for key in keys:
@@ -165,7 +166,7 @@ def _untuned_commit_keys(table: DispatchTable, keys: Sequence[str]) -> list[str]
         fields["tree"] = bool(fields.get("tree")) and conv
         general = Variant(kernel="commit", **fields).contract_key
         for commit in (general, lean_commit_key(fields)):
-            if commit not in table.entries and commit in _shipped_points(arch):
+            if commit in table.entries or commit in _shipped_points(arch):
                 found.append(commit)
     return list(dict.fromkeys(found))
 

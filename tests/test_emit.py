@@ -196,6 +196,21 @@ def test_a_general_commit_key_brings_its_build_without_prefix_caching() -> None:
     assert selected_keys(table, both, None) == both
 
 
+def test_a_verify_key_brings_the_commit_of_its_window() -> None:
+    """A package that verifies a window commits it: a verify key given alone brings its
+    window's commit builds, tuned (Q 8) or of a shipped space the table was not tuned with
+    (Q 3, commit_between.yaml; Q 16 with the softplus gate, commit_wide.yaml)."""
+    if not (TABLE / TABLE_FILE).exists():
+        pytest.skip("no committed H200 table")
+    table = load_table(TABLE)
+    assert table is not None
+    for verify, window in (("verify-h12-q8-i32", 8), ("verify-h12-q3-i32", 3)):
+        commits = [f"commit-h12-q{window}-i32", f"commit-h12-q{window}-noprefix-i32"]
+        assert selected_keys(table, [verify], None) == [verify, *commits]
+    assert selected_keys(table, ["verify-h16-q16-softplus-i64"], None) == [
+        "verify-h16-q16-softplus-i64", "commit-h16-q16-softplus-i64"]  # fmt: skip
+
+
 def test_emit_names_a_malformed_key(tmp_path: Path) -> None:
     if not (TABLE / TABLE_FILE).exists():
         pytest.skip("no committed H200 table")

@@ -11,8 +11,9 @@ with the couplings from k and q rebased by ``SHIFT = -Q lower_bound / 2`` in bf1
 halves (three products each), every left operand split into hi / lo halves before its bf16
 product with the state or the values, fp32 elsewhere. Like :mod:`kdagen.emulate` it is the
 yardstick a GPU run is judged by (fp32-rounding agreement, not bitwise: the tensor cores'
-order within an MMA, the GPU's exp). The bounded gate's chains without the conv only, as the
-kernel."""
+order within an MMA, the GPU's exp). The bounded gate's chains and token trees (``parents``:
+each node's G its parent's plus its own gate, the couplings kept on root paths) without the
+conv, as the kernel."""
 
 from __future__ import annotations
 
@@ -23,15 +24,20 @@ from kdagen.emulate import (
     F32,
     _bf16_split,
     _f32,
+    _gates,
     _log_decay,
     _store,
     _window_tokens,
     relative_errors,
 )
+from kdagen.emulate_tree import ancestor_bits, ancestor_matrix, tree_log_decay, window_parents
 from kdagen.reference import request_layout
 from kdagen.serve.contract import VerifyArgs, check_verify
+from kdagen.tree import check_parents
 
 __all__ = ["regrouped_outputs", "relative_errors", "verify_like_sm90_mma"]
+
+OP = "kdagen.emulate_mma.verify_like_sm90_mma"
 
 
 def _hi_lo_product(left: Tensor, right: Tensor) -> Tensor:
@@ -41,9 +47,12 @@ def _hi_lo_product(left: Tensor, right: Tensor) -> Tensor:
     return hi.float() @ right + lo.float() @ right
 
 
-def _couplings(near_k: Tensor, near_q: Tensor, far_k: Tensor) -> tuple[Tensor, Tensor]:
+def _couplings(
+    near_k: Tensor, near_q: Tensor, far_k: Tensor, on_path: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``C`` (i < t) and ``D`` (i <= t) from the rebased operands, each product from three
-    bf16 ones (hi hi, hi lo, lo hi) as the kernel's two coupling warps form them."""
+    bf16 ones (hi hi, hi lo, lo hi) as the kernel's two coupling warps form them; ``on_path``
+    (bool ``[..., Q, Q]``, i an ancestor of t or t itself) keeps a tree's root paths."""
     window = near_k.shape[-2]
     far_hi, far_lo = (h.float().transpose(-1, -2) for h in _bf16_split(far_k))
 
@@ -52,9 +61,10 @@ def _couplings(near_k: Tensor, near_q: Tensor, far_k: Tensor) -> tuple[Tensor, T
         return hi @ far_hi + hi @ far_lo + lo @ far_hi
 
     pos = torch.arange(window, device=near_k.device)
-    c = torch.where(pos[:, None] > pos[None, :], product(near_k), 0.0)
-    d = torch.where(pos[:, None] >= pos[None, :], product(near_q), 0.0)
-    return c, d
+    below, keep_d = pos[:, None] > pos[None, :], pos[:, None] >= pos[None, :]
+    if on_path is not None:
+        below, keep_d = below & on_path, keep_d & on_path
+    return torch.where(below, product(near_k), 0.0), torch.where(keep_d, product(near_q), 0.0)
 
 
 def _solve(c: Tensor, beta: Tensor) -> Tensor:
@@ -89,13 +99,12 @@ def regrouped_outputs(
 def verify_like_sm90_mma(args: VerifyArgs) -> None:
     """Same contract, checks and in-place writes as ``kdagen.reference.verify``, computed the
     way the ``sm90_mma`` kernel does (see the module docstring); the bounded gate's chains
-    without the conv only. ``state`` must be bf16."""
-    check_verify(args, op="kdagen.emulate_mma.verify_like_sm90_mma", require_cuda=False,
-                 float_results=True)  # fmt: skip
-    if args.lower_bound is None or args.conv_state is not None or args.parents is not None:
+    and trees (``args.parents``) without the conv. ``state`` must be bf16."""
+    check_verify(args, op=OP, require_cuda=False, float_results=True)
+    if args.lower_bound is None or args.conv_state is not None:
         raise ValueError(
-            "verify_like_sm90_mma: the sm90_mma kernel computes the bounded gate's chains "
-            "without the conv (lower_bound set, conv_state and parents None)"
+            f"{OP}: the sm90_mma kernel computes the bounded gate's chains and trees without "
+            "the conv (lower_bound set, conv_state None)"
         )
     state, slots, corr = args.state, args.slots, args.corr
     if state.dtype != torch.bfloat16:
@@ -107,10 +116,19 @@ def verify_like_sm90_mma(args: VerifyArgs) -> None:
     if batch == 0 or not req.tokens.any():
         return
     tok = _window_tokens(args, req, args.qkv[req.rows])
-    logs, decay = _log_decay(tok.g_raw, args.a_log, args.dt_bias, args.lower_bound)
+    on_path = None
+    if args.parents is None:
+        logs, decay = _log_decay(tok.g_raw, args.a_log, args.dt_bias, args.lower_bound)
+    else:
+        tree = check_parents(OP, "parents", args.parents, req.qlen, req.rows)
+        tree = window_parents(tree, req.tokens)
+        gates = _gates(tok.g_raw, args.a_log, args.dt_bias, args.lower_bound, 0.0)
+        logs = tree_log_decay(gates, tree)
+        decay = torch.exp(logs)
+        on_path = ancestor_matrix(ancestor_bits(tree))[:, None]  # [B, 1, Q, Q]
     shift = _f32(-0.5 * window, logs) * _f32(args.lower_bound, logs)
     near, far = torch.exp(logs + shift), torch.exp(-(logs + shift))
-    c, d = _couplings(tok.k_n * near, tok.q_n * near, tok.k_n * far)
+    c, d = _couplings(tok.k_n * near, tok.q_n * near, tok.k_n * far, on_path)
     u, o = regrouped_outputs(
         state[req.slot], tok.v, tok.beta, decay * tok.k_n, decay * tok.q_n, c, d
     )

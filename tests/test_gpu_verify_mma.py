@@ -1,6 +1,7 @@
 """The small-CTA Hopper verify (path sm90_mma, search_spaces/verify_mma_sm90.yaml, not yet
 shipped) on a GPU: every case of ``kdagen check`` on representatives of its space (both
-residencies, the three windows and head counts, both slot dtypes)."""
+residencies, the three windows and head counts, both slot dtypes, chains and trees), and the
+kernel against its own emulation."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ SEED = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
         "verify-h12-q16-i32-sm90_mma-c396-pdl",
         "verify-h32-q12-i64-sm90_mma-c528-pdl",
         "verify-h96-q9-i32-sm90_mma-c528-pdl",
+        "verify-h12-q16-tree-i32-sm90_mma-c528-pdl",
+        "verify-h32-q9-tree-i64-sm90_mma-c396-pdl",
     ],
 )
 def test_the_small_cta_verify_passes_the_check(name: str) -> None:
@@ -36,14 +39,14 @@ def test_the_small_cta_verify_passes_the_check(name: str) -> None:
         assert result.passed, f"seed {SEED}: {result.error or result.summary()}"
 
 
-@pytest.mark.parametrize("window", [16, 9])
-def test_the_small_cta_verify_matches_its_emulation(window: int) -> None:
+@pytest.mark.parametrize(("window", "tree"), [(16, False), (9, False), (16, True)])
+def test_the_small_cta_verify_matches_its_emulation(window: int, tree: bool) -> None:
     """The kernel against ``kdagen.emulate_mma`` (its own arithmetic in torch) to fp32
     rounding, far inside the check's bounds: corr within 1e-5 of its rms element by element,
     out at most one bf16 step apart, kg bit for bit. A wrong operand or fragment that the
     check's looser bounds might let through shows here."""
-    name = f"verify-h12-q{window}-i32-sm90_mma-c528-pdl"
-    inputs = make_verify_inputs(B=37, H=12, Q=window, seed=SEED % 1000, device="cuda")
+    name = f"verify-h12-q{window}{'-tree' if tree else ''}-i32-sm90_mma-c528-pdl"
+    inputs = make_verify_inputs(B=37, H=12, Q=window, seed=SEED % 1000, device="cuda", tree=tree)
     got = clone_inputs(inputs)
     run_verify(verify_args(got), variant=name)
     want = clone_inputs(inputs)

@@ -35,15 +35,18 @@ SM_SHARED = 232448  # bytes of shared memory an SM gives its CTAs (each also res
 def test_the_space_is_not_shipped_and_holds_only_small_cta_chains() -> None:
     variants = Space.load("verify_mma_sm90.yaml").expand().variants
     assert "verify_mma_sm90.yaml" not in DEFAULT_SPACES  # not before a GPU has checked it
-    assert len(variants) == 36
-    assert {v.path for v in variants} == {"sm90_mma"}
+    assert len(variants) == 72
+    assert {v.path for v in variants} == {"sm90_mma"} and {v.tree for v in variants} == {
+        False,
+        True,
+    }
     assert {v.window for v in variants} == {9, 12, 16} and {v.ctas for v in variants} == {396, 528}
-    assert not any(v.conv or v.tree or v.gate != "kda" for v in variants)
+    assert not any(v.conv or v.gate != "kda" for v in variants)
 
 
 @pytest.mark.parametrize(
     ("change", "field"),
-    [({"gate": "softplus"}, "gate="), ({"tree": True}, "tree="), ({"ctas": 264}, "ctas=264")],
+    [({"gate": "softplus"}, "gate="), ({"conv": True}, "conv="), ({"ctas": 264}, "ctas=264")],
 )
 def test_the_variant_rules_name_what_the_path_cannot_compute(change: dict, field: str) -> None:
     base = {"kernel": "verify", "heads": 12, "window": 16, "path": "sm90_mma", "ctas": 528}
@@ -65,6 +68,9 @@ CASES = [
     _case(16, raw_g=-30.0),  # no decay: the state term at full weight
     _case(16, lower_bound=-8.0, raw_g=30.0),  # the steepest decay the contract allows at Q 16
     _case(4),  # a short window: the kernel pads its MMA rows to 16
+    _case(16, tree=True),  # token trees: G along root paths, couplings on them
+    _case(9, tree=True, slot_dtype=torch.int64, outside=True, seed=2),
+    _case(16, tree=True, lower_bound=-8.0, raw_g=30.0),
 ]
 
 
@@ -119,7 +125,12 @@ def test_the_emulation_refuses_what_the_kernel_does_not_compute() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["verify-h12-q16-i32-sm90_mma-c528-pdl", "verify-h96-q9-i64-sm90_mma-c396-nopdl"]
+    "name",
+    [
+        "verify-h12-q16-i32-sm90_mma-c528-pdl",
+        "verify-h96-q9-i64-sm90_mma-c396-nopdl",
+        "verify-h12-q16-tree-i32-sm90_mma-c528-pdl",
+    ],
 )
 def test_the_small_cta_kernel_fits_its_ctas_an_sm(name: str, tmp_path: Path) -> None:
     """Registers capped for ctas / 132 CTAs an SM, no stack, shared memory for four; warp

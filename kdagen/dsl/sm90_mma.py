@@ -51,6 +51,18 @@ def store_shared_f32(address: Int32, value: Float32):
 
 
 @cute.jit
+def load_shared_i32(address: Int32) -> Int32:
+    return cute.arch.inline_ptx(
+        "ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[address]
+    )
+
+
+@cute.jit
+def store_shared_i32(address: Int32, value: Int32):
+    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[address, value])
+
+
+@cute.jit
 def store_shared_split(value: Float32, hi_address: Int32, lo_address: Int32):
     """``value = hi + lo`` in bf16 halves (``bf16_split``), stored to shared memory."""
     hi, lo = bf16_split(value)

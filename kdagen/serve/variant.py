@@ -492,12 +492,12 @@ def _check_sm90_verify_rules(v: Variant) -> None:
 
 
 def _check_sm90_mma_rules(v: Variant) -> None:
-    """Path sm90_mma: the bounded gate's chains without the conv, 3 or 4 CTAs an SM of 132
-    (its registers capped at 168 or 128; its shared memory fits four)."""
-    if v.gate != "kda" or v.tree or v.conv:
+    """Path sm90_mma: the bounded gate's chains and trees without the conv, 3 or 4 CTAs an SM
+    of 132 (its registers capped at 168 or 128; its shared memory fits four)."""
+    if v.gate != "kda" or v.conv:
         raise VariantError(
-            f"gate={v.gate!r}, tree={v.tree}, conv={v.conv}: path 'sm90_mma' computes the "
-            "bounded gate's chains without the conv; allowed: gate='kda', tree=False, conv=False"
+            f"gate={v.gate!r}, conv={v.conv}: path 'sm90_mma' computes the bounded gate's "
+            "chains and trees without the conv; allowed: gate='kda', conv=False"
         )
     if v.ctas not in (396, 528):
         raise VariantError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from kdagen.dsl.common import bf16_split, ldmatrix_x4, ptx_outputs, store_shared
 
@@ -39,26 +39,18 @@ def load_shared_bf16(address: Int32) -> Float32:
 
 
 @cute.jit
-def load_shared_f32(address: Int32) -> Float32:
+def load_shared_word(address: Int32, integer: cutlass.Constexpr[bool] = False):
+    """One 32-bit word from shared memory: an fp32 value, or an int32 one with ``integer``."""
     return cute.arch.inline_ptx(
-        "ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address]
+        "ld.shared.b32 {$w0}, [{$r0}];",
+        write_only_types=[Int32 if integer else Float32],
+        read_only_args=[address],
     )
 
 
 @cute.jit
-def store_shared_f32(address: Int32, value: Float32):
-    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[address, value])
-
-
-@cute.jit
-def load_shared_i32(address: Int32) -> Int32:
-    return cute.arch.inline_ptx(
-        "ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[address]
-    )
-
-
-@cute.jit
-def store_shared_i32(address: Int32, value: Int32):
+def store_shared_word(address: Int32, value):
+    """One 32-bit word (fp32 or int32) to shared memory."""
     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[address, value])
 
 
@@ -68,11 +60,6 @@ def store_shared_split(value: Float32, hi_address: Int32, lo_address: Int32):
     hi, lo = bf16_split(value)
     store_shared(hi_address, hi)
     store_shared(lo_address, lo)
-
-
-@cute.jit
-def store_shared_zero(address: Int32):
-    store_shared(address, BFloat16(0))
 
 
 @cute.jit

@@ -63,16 +63,6 @@ def store_shared_split(value: Float32, hi_address: Int32, lo_address: Int32):
 
 
 @cute.jit
-def copy_16_to_global(src: Int32, dst: Int64):
-    """16 bytes shared -> global."""
-    cute.arch.inline_ptx(
-        "{ .reg .b32 a, b, c, d; ld.shared.v4.b32 {a, b, c, d}, [{$r0}];"
-        " st.global.v4.b32 [{$r1}], {a, b, c, d}; }",
-        read_only_args=[src, dst],
-    )
-
-
-@cute.jit
 def store_f32_pair(address: Int64, a: Float32, b: Float32, here: Int32):
     """Two fp32 values at ``address`` where ``here`` is not zero (a predicated store)."""
     cute.arch.inline_ptx(

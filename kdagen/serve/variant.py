@@ -62,7 +62,7 @@ _RANGES: dict[str, tuple[int, int]] = {
     "heads": (1, MAX_HEADS), "window": (1, 16), "ctas": (1, 1 << 16)
 }  # fmt: skip
 # The widest window each kernel path computes (its coupling tiles and the range of its factors).
-_MAX_WINDOW = {"sm90_wgmma": 16, "sm100_tcgen05": 16, "sm90_mma": 16}
+_MAX_WINDOW = {"sm90_wgmma": 16, "sm100_tcgen05": 16}
 
 
 @dataclass(frozen=True)
@@ -118,16 +118,6 @@ PATHS: dict[str, dict[str, PathSpec]] = {
             class_name="KdaWgmmaVerify",
             archs=("sm_90a",),
             tuning=("threads", "row_split", "ctas", "stages", "pdl"),
-        ),
-        # Hopper, small CTAs: one 128-thread CTA per (request, head), no persistent loop,
-        # warp-level mma.sync from shared memory (56,000 bytes, 128 registers) so that four
-        # share an SM; ``ctas`` / 132 is the residency the registers are capped for. The
-        # bounded gate's chains without the conv.
-        "sm90_mma": PathSpec(
-            template="verify/sm90_mma.py.j2",
-            class_name="KdaMmaVerify",
-            archs=("sm_90a",),
-            tuning=("ctas", "pdl"),
         ),
     },
 }
@@ -397,8 +387,6 @@ def _check_path_rules(v: Variant) -> None:
         _check_commit_rules(v)
     if v.path == "sm90_wgmma":
         _check_sm90_verify_rules(v)
-    if v.path == "sm90_mma":
-        _check_sm90_mma_rules(v)
 
 
 def _check_commit_rules(v: Variant) -> None:
@@ -488,19 +476,4 @@ def _check_sm90_verify_rules(v: Variant) -> None:
         raise VariantError(
             f"tree=True needs threads=128 on path 'sm90_wgmma' (the one-warpgroup kernel); "
             f"got threads={v.threads}"
-        )
-
-
-def _check_sm90_mma_rules(v: Variant) -> None:
-    """Path sm90_mma: the bounded gate's chains and trees without the conv, 3 or 4 CTAs an SM
-    of 132 (its registers capped at 168 or 128; its shared memory fits four)."""
-    if v.gate != "kda" or v.conv:
-        raise VariantError(
-            f"gate={v.gate!r}, conv={v.conv}: path 'sm90_mma' computes the bounded gate's "
-            "chains and trees without the conv; allowed: gate='kda', conv=False"
-        )
-    if v.ctas not in (396, 528):
-        raise VariantError(
-            f"ctas={v.ctas} is not allowed for path 'sm90_mma' (3 or 4 CTAs an SM of 132); "
-            "allowed values: [396, 528]"
         )

@@ -147,6 +147,14 @@ VERIFY_ROW_BOUNDS = False
 # (the same re-render, check and re-tune); until then README says not to launch commit right
 # before verify.
 VERIFY_STATE_AFTER_WAIT = False
+# The wide one-warpgroup chains and trees without the conv (two CTAs an SM) stage the next
+# unit's window in shared memory by cp.async (kdagen/dsl/staged_window.py) instead of loading
+# it into registers: 4 ceil(Q / 8) 16-byte copies a thread instead of 4 Q two-byte loads and
+# their 64-bit addresses (14 % of the H 12 Q 16 kernel's warp samples at B = 512 on an H100,
+# docs/history/trees.md), 4 Q K 2 bytes more shared memory. Off until `kdagen check` has run its
+# renders on a GPU and they are timed against the register look-ahead (a re-tune of the wide
+# studies); tests/test_compile.py compiles it.
+STAGED_WINDOW = False
 
 
 def rebase_on_demand(variant: Variant) -> bool:
@@ -202,6 +210,10 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # as the three-CTA wide chains' do.
         three_ctas = three_ctas_wide(variant)
         context["three_ctas"] = three_ctas
+        context["staged_window"] = (
+            STAGED_WINDOW and wide and not variant.conv and not three_ctas
+            and variant.threads == 128 and variant.row_split == 1
+        )  # fmt: skip
         context["one_tile"] = three_ctas or (
             SOFTPLUS_ONE_TILE and on_demand and not wide and variant.threads == 128
         )

@@ -362,13 +362,18 @@ def test_only_the_kernels_that_rebase_on_demand_get_the_bounded_edge_case() -> N
     assert edge(chain8) and edge(wide) and not edge(tree8) and not edge(wide_softplus)
 
 
-def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
-    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s kernel for its arch."""
+def _sass_lines(variant: Variant, root: Path) -> list[str]:
+    """The instructions of ``variant``'s kernel for its arch, compiled into ``root``."""
     arch = "sm_100a" if variant.path == "sm100_tcgen05" else "sm_90a"
     record = kcompile.compile_variant(variant, arch, root)
     assert record.ok, record.error
     sass = disassemble(kcompile.variant_dir(variant, root) / arch / "kernel.cubin")
-    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", line)]
+    return [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", line)]
+
+
+def _first_ops(variant: Variant, root: Path, ops: tuple[str, ...]) -> dict[str, int]:
+    """Where each SASS opcode of ``ops`` first occurs in ``variant``'s kernel for its arch."""
+    lines = _sass_lines(variant, root)
     first = {op: next((i for i, line in enumerate(lines) if re.search(rf"\b{op}\b", line)), -1)
              for op in ops}  # fmt: skip
     assert min(first.values()) >= 0, f"{variant.name} lacks an opcode: {first}"
@@ -459,6 +464,39 @@ def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
     assert record.smem_bytes == bounded.smem_bytes and record.frame_bytes == 0
     two = "verify-h32-q8-softplus-i32-sm90_wgmma-t256-r1-c264-s1-pdl"
     assert "s_couple" in krender.render(Variant.parse(two))
+
+
+@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize("switched_on", ["STAGED_WINDOW"], indirect=True)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+        "verify-h16-q13-softplus-tree-i64-sm90_wgmma-t128-r1-c264-s1-pdl",
+    ],
+)
+def test_the_wide_verify_stages_its_next_window_by_cp_async(
+    name: str, tmp_path: Path, switched_on, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Switched on (until a GPU has checked and timed it), a wide one-warpgroup verify without
+    the conv copies its next window into shared memory with cp.async instead of loading it
+    into registers: fewer instructions, no more registers, no stack, still two CTAs an SM.
+    The conv kernels and windows of up to 8 tokens render as before."""
+    variant = Variant.parse(name)
+    assert "stage_window(" in krender.render(variant)
+    staged = _sass_lines(variant, tmp_path / "staged")
+    staged_record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "staged")
+    assert any("LDGSTS" in line for line in staged)
+    assert staged_record.frame_bytes == 0
+    assert 2 * (staged_record.smem_bytes + 1024) <= 232448, staged_record.smem_bytes
+    for other in (variant.replace(window=8), variant.replace(conv=True)):
+        assert "stage_window(" not in krender.render(other)
+    monkeypatch.setattr(krender, "STAGED_WINDOW", False)
+    krender.render.cache_clear()
+    loaded = _sass_lines(variant, tmp_path / "loaded")
+    loaded_record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "loaded")
+    assert len(staged) < 0.95 * len(loaded), (len(staged), len(loaded))
+    assert staged_record.registers <= loaded_record.registers
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The Hopper tree verify (issue 31), checked on the CPU: its variants and their rules, the
 run-time's checks of ``parents``, the built-in choice, renders that leave the chain kernels
 alone, and GPU-less compiles without spills. ``kdagen check --space verify_tree_sm90.yaml``
-runs them against the tree reference on a GPU (not run yet: docs/history/trees.md)."""
+runs them against the tree reference on a GPU (every run: docs/history/trees.md)."""
 
 from __future__ import annotations
 

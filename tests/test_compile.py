@@ -467,7 +467,6 @@ def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
 
 
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
-@pytest.mark.parametrize("switched_on", ["STAGED_WINDOW"], indirect=True)
 @pytest.mark.parametrize(
     "name",
     [
@@ -476,12 +475,12 @@ def test_the_one_warpgroup_softplus_chain_couples_without_a_second_tile(
     ],
 )
 def test_the_wide_verify_stages_its_next_window_by_cp_async(
-    name: str, tmp_path: Path, switched_on, monkeypatch: pytest.MonkeyPatch
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Switched on (until a GPU has checked and timed it), a wide one-warpgroup verify without
-    the conv copies its next window into shared memory with cp.async instead of loading it
-    into registers: fewer instructions, no more registers, no stack, still two CTAs an SM.
-    The conv kernels and windows of up to 8 tokens render as before."""
+    """A wide one-warpgroup verify without the conv copies its next window into shared memory
+    with cp.async instead of loading it into registers (render.STAGED_WINDOW): fewer
+    instructions than the register look-ahead, no more registers, no stack, still two CTAs an
+    SM. The conv kernels and windows of up to 8 tokens keep the register look-ahead."""
     variant = Variant.parse(name)
     assert "stage_window(" in krender.render(variant)
     staged = _sass_lines(variant, tmp_path / "staged")

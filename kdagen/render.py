@@ -147,14 +147,15 @@ VERIFY_ROW_BOUNDS = False
 # (the same re-render, check and re-tune); until then README says not to launch commit right
 # before verify.
 VERIFY_STATE_AFTER_WAIT = False
-# The wide one-warpgroup chains and trees without the conv (two CTAs an SM) stage the next
-# unit's window in shared memory by cp.async (kdagen/dsl/staged_window.py) instead of loading
-# it into registers: 4 ceil(Q / 8) 16-byte copies a thread instead of 4 Q two-byte loads and
-# their 64-bit addresses, 4 Q K 2 bytes more shared memory. On an H100 all 146 passed `kdagen
-# check` and H 12 Q 16 chains ran 0.87-0.93x the look-ahead's time from B = 64
-# (docs/history/trees.md). False renders the register look-ahead (the conv kernels' and the
-# short windows' form), for an A/B.
-STAGED_WINDOW = True
+# One-warpgroup chains and trees without the conv of at least STAGED_WINDOW_FROM tokens stage
+# the next unit's window in shared memory by cp.async (kdagen/dsl/staged_window.py) instead of
+# loading it into registers: 4 ceil(Q / 8) 16-byte copies a thread instead of 4 Q two-byte loads
+# and their 64-bit addresses, 4 Q K 2 bytes more shared memory. From 9 tokens (the wide kernels)
+# all 146 passed `kdagen check` on an H100 and H 12 Q 16 chains ran 0.87-0.93x the look-ahead's
+# time from B = 64 (docs/history/trees.md). 5 also stages windows of 5-8 tokens at up to three
+# CTAs an SM (compiled only: 3-8 % fewer instructions, still three CTAs an SM); 17 renders the
+# register look-ahead everywhere, for an A/B.
+STAGED_WINDOW_FROM = 9
 
 
 def rebase_on_demand(variant: Variant) -> bool:
@@ -167,6 +168,20 @@ def rebase_on_demand(variant: Variant) -> bool:
     if variant.window > 8:
         return variant.gate == "kda"
     return variant.gate == "softplus" and not variant.tree
+
+
+def staged_window(variant: Variant) -> bool:
+    """Whether the Hopper verify ``variant`` stages its next window in shared memory
+    (STAGED_WINDOW_FROM): one warpgroup, whole items, conv off, and at most three CTAs an SM of
+    a 132-SM GPU (at four the staged tile and its registers no longer fit)."""
+    return (
+        _sm90(variant)
+        and variant.window >= STAGED_WINDOW_FROM
+        and not variant.conv
+        and variant.threads == 128
+        and variant.row_split == 1
+        and variant.ctas <= 3 * 132
+    )
 
 
 def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
@@ -210,10 +225,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # as the three-CTA wide chains' do.
         three_ctas = three_ctas_wide(variant)
         context["three_ctas"] = three_ctas
-        context["staged_window"] = (
-            STAGED_WINDOW and wide and not variant.conv and not three_ctas
-            and variant.threads == 128 and variant.row_split == 1
-        )  # fmt: skip
+        context["staged_window"] = staged_window(variant) and not three_ctas
         context["one_tile"] = three_ctas or (
             SOFTPLUS_ONE_TILE and on_demand and not wide and variant.threads == 128
         )

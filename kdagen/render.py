@@ -173,9 +173,11 @@ def rebase_on_demand(variant: Variant) -> bool:
 def staged_window(variant: Variant) -> bool:
     """Whether the Hopper verify ``variant`` stages its next window in shared memory
     (STAGED_WINDOW_FROM): one warpgroup, whole items, conv off, and at most three CTAs an SM of
-    a 132-SM GPU (at four the staged tile and its registers no longer fit)."""
+    a 132-SM GPU (at four the staged tile and its registers no longer fit; the three-CTA wide
+    build keeps its paired register window, its shared memory is full)."""
     return (
         _sm90(variant)
+        and not three_ctas_wide(variant)
         and variant.window >= STAGED_WINDOW_FROM
         and not variant.conv
         and variant.threads == 128
@@ -225,7 +227,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         # as the three-CTA wide chains' do.
         three_ctas = three_ctas_wide(variant)
         context["three_ctas"] = three_ctas
-        context["staged_window"] = staged_window(variant) and not three_ctas
+        context["staged_window"] = staged_window(variant)
         context["one_tile"] = three_ctas or (
             SOFTPLUS_ONE_TILE and on_demand and not wide and variant.threads == 128
         )

@@ -515,6 +515,39 @@ def test_the_verify_stages_its_next_window_by_cp_async(
     assert staged_record.registers <= loaded_record.registers
 
 
+@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize(
+    "name",
+    [
+        "verify-h12-q16-tree-conv-tm-bf16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+        "verify-h8-q9-softplus-conv-df-fp32-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
+    ],
+)
+def test_the_wide_conv_verify_stages_its_window_behind_its_switch(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_renders
+) -> None:
+    """With render.STAGED_WINDOW_CONV the wide conv chains and trees stage their window by
+    cp.async too: fewer instructions, no more registers, no stack, still two CTAs an SM (the
+    largest, the conv tree of 16 tokens, included). Shipped off: the conv kernels load their
+    window into registers."""
+    variant = Variant.parse(name)
+    assert "stage_window(" not in krender.render(variant)
+    loaded = _sass_lines(variant, tmp_path / "loaded")
+    loaded_record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "loaded")
+    monkeypatch.setattr(krender, "STAGED_WINDOW_CONV", True)
+    krender.render.cache_clear()
+    assert "stage_window(" in krender.render(variant)
+    assert "stage_window(" not in krender.render(variant.replace(window=8))
+    staged = _sass_lines(variant, tmp_path / "staged")
+    staged_record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "staged")
+    assert any("LDGSTS" in line for line in staged)
+    assert staged_record.frame_bytes == 0
+    assert kcompile.load_module(variant, tmp_path / "staged").RESIDENT == 2
+    assert 2 * 128 * staged_record.registers <= 65536, staged_record.registers
+    assert staged_record.registers <= loaded_record.registers
+    assert len(staged) < 0.98 * len(loaded), (len(staged), len(loaded))
+
+
 @pytest.mark.parametrize(
     "name",
     [

@@ -186,7 +186,7 @@ def staged_window(variant: Variant) -> bool:
         _sm90(variant)
         and not three_ctas_wide(variant)
         and variant.window >= STAGED_WINDOW_FROM
-        and (not variant.conv or (STAGED_WINDOW_CONV and variant.window >= 9))
+        and (not variant.conv or (STAGED_WINDOW_CONV and variant.window > 8))
         and variant.threads == 128
         and variant.row_split == 1
         and variant.ctas <= 3 * 132

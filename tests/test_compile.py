@@ -494,8 +494,7 @@ def test_the_verify_stages_its_next_window_by_cp_async(
     as many resident CTAs an SM (shared memory and registers). The shipped knob stages the
     wide kernels (9 tokens up); 5 widens it to the three-CTA kernels of 5-8 tokens. The conv
     kernels, the shorter windows and the four-CTA grid keep the register look-ahead."""
-    monkeypatch.setattr(krender, "STAGED_WINDOW_FROM", staged_from)
-    krender.render.cache_clear()
+    monkeypatch.setattr(krender, "STAGED_WINDOW_FROM", staged_from)  # before any render
     variant = Variant.parse(name)
     assert "stage_window(" in krender.render(variant)
     staged = _sass_lines(variant, tmp_path / "staged")

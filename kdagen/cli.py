@@ -128,7 +128,7 @@ def compile(
             status += ", static only"
         typer.echo(
             f"{r.variant:<{width}}  {r.arch:<7} {r.seconds:>6.2f} {_num(r.registers):>5} "
-            f"{_num(r.frame_bytes):>5} {_num(r.smem_bytes):>6}  {status}"
+            f"{_num(r.frame_bytes):>5} {_num(r.launch_smem_bytes):>6}  {status}"
         )
     failed = [r for r in records if r.failed]
     skipped = [r for r in records if r.status == "skipped"]

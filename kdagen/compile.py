@@ -61,7 +61,10 @@ class CompileRecord:
     seconds: float
     registers: int | None = None
     frame_bytes: int | None = None  # stack frame: non-zero means spills or local arrays
-    smem_bytes: int | None = None  # shared memory per CTA (static + what the kernel allocates)
+    smem_bytes: int | None = None  # shared memory per CTA (static + the template's SHARED_BYTES)
+    # Shared memory per CTA as launched (static + the dynamic bytes the host code requests,
+    # kdagen.launch_config): what decides the CTAs an SM holds; SHARED_BYTES bounds it.
+    launch_smem_bytes: int | None = None
     error: str | None = None
     cached: bool = False
     machine: str | None = None  # kdagen.machine_code.machine_digest (not stored: recomputed)
@@ -144,7 +147,10 @@ def cached_record(variant: Variant, arch: str, root: Path | None = None) -> Comp
     path = record_path(variant, arch, root)
     if not path.exists():
         return None
-    record = CompileRecord(**json.loads(path.read_text()) | {"cached": True})
+    fields = json.loads(path.read_text())
+    if fields["status"] == "ok" and "launch_smem_bytes" not in fields:
+        return None  # written before records carried it: compile again
+    record = CompileRecord(**fields | {"cached": True})
     _add_machine(record, path.parent)
     return record
 
@@ -168,6 +174,7 @@ def compile_variant(
             compiled = _compile(variant, arch, stage, root)
             record = CompileRecord(variant.name, arch, digest(variant), "ok", 0.0)
             _add_resources(record, stage)
+            _add_launch_smem(record, compiled)
             record.smem_bytes = (record.smem_bytes or 0) + getattr(
                 load_module(variant, root), "SHARED_BYTES", 0
             )
@@ -297,6 +304,16 @@ def _add_resources(record: CompileRecord, out_dir: Path) -> None:
         res = kernel_resources(cubin.read_bytes())
         record.registers, record.frame_bytes = res.registers, res.frame_bytes
         record.smem_bytes = res.static_smem_bytes
+
+
+def _add_launch_smem(record: CompileRecord, compiled: Any) -> None:
+    """``launch_smem_bytes`` from the compiled host code (before ``smem_bytes`` gains
+    SHARED_BYTES: it holds the static section here)."""
+    from kdagen.launch_config import launch_dynamic_smem
+
+    dynamic = launch_dynamic_smem(str(compiled.ir_module))
+    if dynamic is not None:
+        record.launch_smem_bytes = (record.smem_bytes or 0) + dynamic
 
 
 def _short_error(err: BaseException) -> str:

@@ -310,7 +310,7 @@ def test_the_conv_trees_without_selects_compile(
     assert record.ok, record.error
     resident = variant.ctas // 132
     assert resident * 128 * record.registers <= 65536 and record.frame_bytes <= frame
-    assert resident * (record.smem_bytes + 1024) <= 232448
+    assert resident * (record.launch_smem_bytes + 1024) <= 232448
 
 
 @pytest.fixture
@@ -493,15 +493,18 @@ def test_the_verify_stages_its_next_window_by_cp_async(
     registers: fewer instructions than the register look-ahead, no more registers, no stack,
     as many resident CTAs an SM (shared memory and registers). The shipped knob stages the
     wide kernels (9 tokens up); 5 widens it to the three-CTA kernels of 5-8 tokens. The conv
-    kernels, the shorter windows and the four-CTA grid keep the register look-ahead."""
+    kernels (behind render.STAGED_WINDOW_CONV, off here), the shorter windows and the
+    four-CTA grid keep the register look-ahead."""
     monkeypatch.setattr(krender, "STAGED_WINDOW_FROM", staged_from)  # before any render
+    monkeypatch.setattr(krender, "STAGED_WINDOW_CONV", False)
     variant = Variant.parse(name)
     assert "stage_window(" in krender.render(variant)
     staged = _sass_lines(variant, tmp_path / "staged")
     staged_record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "staged")
     assert any("LDGSTS" in line for line in staged)
     assert staged_record.frame_bytes == 0
-    assert resident * (staged_record.smem_bytes + 1024) <= 232448, staged_record.smem_bytes
+    launched = staged_record.launch_smem_bytes
+    assert resident * (launched + 1024) <= 232448, launched
     assert resident * 128 * staged_record.registers <= 65536, staged_record.registers
     shorter = variant.replace(window=staged_from - 1)
     for other in (shorter, variant.replace(conv=True), variant.replace(ctas=528)):
@@ -526,10 +529,12 @@ def test_the_wide_conv_verify_stages_its_window_behind_its_switch(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_renders
 ) -> None:
     """With render.STAGED_WINDOW_CONV the wide conv chains and trees stage their window by
-    cp.async too: fewer instructions, no more registers, no stack, still two CTAs an SM (the
-    largest, the conv tree of 16 tokens, included). Shipped off: the conv kernels load their
-    window into registers."""
+    cp.async too: fewer instructions, no more registers, no stack, still two CTAs an SM by
+    the shared memory their launch asks (the largest, the conv tree of 16 tokens, included:
+    its SHARED_BYTES bound alone would not fit two). Off, the conv kernels load their window
+    into registers."""
     variant = Variant.parse(name)
+    monkeypatch.setattr(krender, "STAGED_WINDOW_CONV", False)
     assert "stage_window(" not in krender.render(variant)
     loaded = _sass_lines(variant, tmp_path / "loaded")
     loaded_record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "loaded")
@@ -543,6 +548,8 @@ def test_the_wide_conv_verify_stages_its_window_behind_its_switch(
     assert staged_record.frame_bytes == 0
     assert kcompile.load_module(variant, tmp_path / "staged").RESIDENT == 2
     assert 2 * 128 * staged_record.registers <= 65536, staged_record.registers
+    launched = staged_record.launch_smem_bytes
+    assert launched <= staged_record.smem_bytes and 2 * (launched + 1024) <= 232448, launched
     assert staged_record.registers <= loaded_record.registers
     assert len(staged) < 0.98 * len(loaded), (len(staged), len(loaded))
 
@@ -567,7 +574,7 @@ def test_the_wide_bounded_gate_fits_three_ctas_an_sm(name: str, tmp_path: Path) 
     assert "s_couple" not in source and "load_window_pairs(" in source
     record = kcompile.compile_variant(variant, "sm_90a", tmp_path)
     assert record.ok, record.error
-    assert 3 * 128 * record.registers <= 65536 and 3 * (record.smem_bytes + 1024) <= 232448
+    assert 3 * 128 * record.registers <= 65536 and 3 * (record.launch_smem_bytes + 1024) <= 232448
     assert record.frame_bytes <= 32
     twin = variant.replace(ctas=264)
     assert not krender.three_ctas_wide(twin) and "s_couple" in krender.render(twin)

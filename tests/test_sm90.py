@@ -72,7 +72,7 @@ def test_every_compiled_sm90_variant_compiles_without_spills(records) -> None:
 
 def _resident(r: kcompile.CompileRecord, threads: int) -> int:
     """CTAs one SM holds by registers and shared memory (+1 KiB reserved)."""
-    return min(REGISTERS // (threads * r.registers), SM_SHARED // (r.smem_bytes + 1024))
+    return min(REGISTERS // (threads * r.registers), SM_SHARED // (r.launch_smem_bytes + 1024))
 
 
 def test_residency_the_grid_bound_assumes(records) -> None:

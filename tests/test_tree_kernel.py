@@ -100,7 +100,7 @@ def test_tree_kernels_compile_without_spills(cache: Path, names: list[str]) -> N
     for r in records:
         v = Variant.parse(r.variant)
         assert r.frame_bytes == 0, r.variant
-        resident = min(REGISTERS // (128 * r.registers), SM_SHARED // (r.smem_bytes + 1024))
+        resident = min(REGISTERS // (128 * r.registers), SM_SHARED // (r.launch_smem_bytes + 1024))
         assert resident >= (v.ctas // 132 if v.stages == 1 else 2), (r.variant, resident)
 
 

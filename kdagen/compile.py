@@ -311,7 +311,8 @@ def _add_launch_smem(record: CompileRecord, compiled: Any) -> None:
     SHARED_BYTES: it holds the static section here)."""
     from kdagen.launch_config import launch_dynamic_smem
 
-    dynamic = launch_dynamic_smem(str(compiled.ir_module))
+    host_ir = getattr(compiled, "ir_module", None)  # absent: the field stays None
+    dynamic = None if host_ir is None else launch_dynamic_smem(str(host_ir))
     if dynamic is not None:
         record.launch_smem_bytes = (record.smem_bytes or 0) + dynamic
 

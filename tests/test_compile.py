@@ -412,6 +412,31 @@ def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
     assert "prefetch_l2(" not in krender.render(variant.replace(pdl=False))
 
 
+@pytest.mark.parametrize("switched_on", ["COMMIT_CONV_LATE"], indirect=True)
+def test_the_ring_writes_its_conv_rows_after_the_folds(tmp_path: Path, switched_on) -> None:
+    """Switched on (until a GPU has measured it), the ring reads its token-major conv history
+    rows before the folds and writes them after them, still 7 CTAs an SM (the rows held
+    across the folds take registers) and no stack frame; the dim-first rows and every other
+    commit path move as with the switch off."""
+    ring = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
+    source = krender.render(ring)
+    fold = source.index("self.fold(folds, updates, count, final")
+    assert source.index("self.read_conv_pieces(") < fold < source.index("self.write_conv_pieces(")
+    assert "self.move_conv_lines(" in source and "def move_conv_pieces" not in source
+    bulk = Variant.parse("commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl")
+    assert "self.move_conv_pieces(" in krender.render(bulk)
+    record = kcompile.compile_variant(ring, "sm_90a", tmp_path)
+    assert record.ok and record.frame_bytes == 0, (record.error, record.frame_bytes)
+    per_warp = -(-record.registers * 32 // 256) * 256  # allocated 256 at a time
+    assert 65536 // (per_warp * ring.threads // 32) >= 7
+    assert 232448 // (record.smem_bytes + 1024) >= 7
+    if find_nvdisasm() is not None:  # the rows' 16-byte stores follow the state's 8-byte ones
+        lines = _sass_lines(ring, tmp_path)
+        state = [i for i, line in enumerate(lines) if re.search(r"\bSTG\.E\.64\b", line)]
+        rows = [i for i, line in enumerate(lines) if re.search(r"\bSTG\.E\.128\b", line)]
+        assert state and rows and min(rows) > max(state), (state[-1:], rows[:1])
+
+
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
 @pytest.mark.parametrize(
     "switched_on", ["VERIFY_ROW_BOUNDS+VERIFY_STATE_AFTER_WAIT"], indirect=True

@@ -219,7 +219,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     if variant.kernel == "commit":
         context["prefetch_state"] = COMMIT_STATE_PREFETCH and variant.pdl
         # The ring only (the model step's B = 1 pick): elsewhere the rows held across the folds
-        # cost many a variant a resident CTA (11 of 29 sampled without prefix caching).
+        # cost many a variant a resident CTA (10 of 29 sampled without prefix caching).
         context["conv_late"] = COMMIT_CONV_LATE and variant.path == "bulk_ring"
     if variant.kernel == "verify":
         context["row_bounds"] = VERIFY_ROW_BOUNDS

@@ -9,13 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
-from frames import sm90_sass_without_frame
+from frames import resident_ctas, sm90_sass_without_frame
 
 from kdagen import compile as kcompile
 from kdagen.serve.variant import Variant, VariantError
 from kdagen.space import DEFAULT_SPACES, Space
-
-SM_REGISTERS, SM_SHARED, CTA_RESERVED = 65536, 232448, 1024  # sm_90a
 
 
 def test_space_is_the_model_step_build_of_every_model_key() -> None:
@@ -67,10 +65,7 @@ def test_a_whole_head_fits_seven_ctas_an_sm(cache: Path) -> None:
     def resident(variant: Variant) -> int:
         record = kcompile.compile_variant(variant, "sm_90a", cache)
         assert record.ok, record.error
-        per_warp = -(-record.registers * 32 // 256) * 256  # allocated 256 at a time
-        by_registers = SM_REGISTERS // (per_warp * variant.threads // 32)
-        by_shared = SM_SHARED // (record.smem_bytes + CTA_RESERVED)
-        return min(by_registers, by_shared)
+        return resident_ctas(record, variant.threads)
 
     assert resident(ring) >= 7
     assert resident(bulk) == 4

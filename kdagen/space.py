@@ -23,9 +23,10 @@ from kdagen.serve.variant import CONTRACT_FIELDS, TUNING_FIELDS, Variant, Varian
 SPACE_DIR = data_dir("search_spaces")
 # The shipped spaces: what `kdagen check` verifies and the tuned tables choose from.
 DEFAULT_SPACES = (
-    "commit.yaml", "commit_tree.yaml", "commit_wide.yaml", "commit_between.yaml",
-    "verify_sm90.yaml", "verify_sm100.yaml", "verify_tree_sm90.yaml", "verify_tree_conv_sm90.yaml",
-    "verify_tree_sm100.yaml", "verify_wide_sm90.yaml", "verify_wide_sm100.yaml",
+    "commit.yaml", "commit_ring.yaml", "commit_tree.yaml", "commit_wide.yaml",
+    "commit_between.yaml", "verify_sm90.yaml", "verify_sm100.yaml", "verify_tree_sm90.yaml",
+    "verify_tree_conv_sm90.yaml", "verify_tree_sm100.yaml", "verify_wide_sm90.yaml",
+    "verify_wide_sm100.yaml",
 )  # fmt: skip
 
 

@@ -63,7 +63,7 @@ from kdagen.search import (
     recorded,
     replay_efficiency,
 )
-from kdagen.serve.dispatch import generated_root, load_table, nearest_point
+from kdagen.serve.dispatch import generated_root, load_table, nearest_point, write_table
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads, name_matches
 from kdagen.storage import describe, folder_url, open_storage, pack_folder
@@ -78,6 +78,7 @@ from kdagen.studies import (
     keep_if_same_machine,
     make_stamp,
     refresh_set,
+    render_changed_only,
     restart_stale,
     stale_studies,
 )
@@ -605,29 +606,38 @@ def repick(folder: Path) -> TuneResult:
 
 
 def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
-            compiler: Compiler | None = None) -> TuneResult:  # fmt: skip
+            compiler: Compiler | None = None,
+            spaces: Sequence[str] | None = None) -> TuneResult:  # fmt: skip
     """Carry a tuned folder through a refactor without a GPU: compile the candidates of every
     study whose kernels render differently, re-stamp those whose machine code is what they
     measured (``keep_if_same_machine``), and rewrite the table from them; nothing is timed.
-    Refused, the table left as it was, when a study's code changed (or its candidates, or it
-    recorded none): that study needs ``kdagen tune`` on its GPU."""
+    ``spaces``: the spaces to plan from (default: the folder's last run's), so the finished
+    studies of a tune of more spaces (a killed one included) can be shipped. A kernel the
+    table carries (``kdagen carry``) stays carried: its studies of an earlier render keep their
+    measurements. Refused, the table left as it was, when another study's code changed (or its
+    candidates, or it recorded none): that study needs ``kdagen tune`` on its GPU."""
     started = time.time()
     table, last_run = _tuned_folder(folder)
     device = table["device"] | {"fingerprint": table["fingerprint"]}
-    spaces = tuple(last_run.get("spaces") or DEFAULT_SPACES)
+    spaces = tuple(spaces or last_run.get("spaces") or DEFAULT_SPACES)
     plans, _ = plan_studies(spaces, last_run.get("workloads") or "workloads.yaml", device["arch"])
     planned = {p.study_name(b): p for p in plans for b in p.batches}
+    carried = table.get("carried", {})
     with folder_lock(folder):
         storage = open_storage(folder_url(folder))
         stamp = make_stamp(device["fingerprint"], list(PATHS))
         stale = stale_studies(storage, {n: p.space_hash for n, p in planned.items()}, stamp)
-        echo(f"{len(stale)} of {len(planned)} studies render differently; compiling them")
+        kept_carried = [n for n in stale if planned[n].kernel in carried
+                        and render_changed_only(storage, n, planned[n].space_hash, stamp)]  # fmt: skip
+        to_compile = [n for n in stale if n not in kept_carried]
+        echo(f"{len(stale)} of {len(planned)} studies render differently ({len(kept_carried)} "
+             f"of a carried kernel, kept as measured); compiling {len(to_compile)}")  # fmt: skip
         pool = compiler or CompilePool(device["arch"], jobs)
         try:
-            for name in stale:
+            for name in to_compile:
                 for candidate in planned[name].candidates:
                     pool.submit(candidate)
-            changed = [name for name in stale if not keep_if_same_machine(
+            changed = [name for name in to_compile if not keep_if_same_machine(
                 storage, name, planned[name].space_hash, stamp, partial(machine_code_of, pool)
             )]  # fmt: skip
         finally:
@@ -639,13 +649,27 @@ def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
                 f"or candidates ({listed}{'; ...' if len(changed) > 3 else ''}): run kdagen tune "
                 "on the GPU"
             )
-        results = [report.result_of(s) for s in fresh_studies(storage, stamp)]
+        studies = [s for s in fresh_studies(storage, stamp) if s.study_name in planned]
+        studies += [optuna.load_study(study_name=n, storage=storage) for n in kept_carried]
+        results = [report.result_of(s) for s in studies]
         report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
                          {"restamp": True, "spaces": list(spaces)},
                          space_points(spaces, device["arch"]))  # fmt: skip
+        keep_carried_records(folder, {planned[n].kernel for n in kept_carried}, carried)
         pack_folder(folder)
-    return TuneResult(folder, results, [f"re-stamped {len(stale)} studies"],
+    return TuneResult(folder, results, [f"re-stamped {len(to_compile)} studies"],
                       time.time() - started, bool(device.get("simulated")))  # fmt: skip
+
+
+def keep_carried_records(folder: Path, kernels: set[str], carried: dict[str, Any]) -> None:
+    """Put back the carry records (``kdagen carry``) of ``kernels`` into the table just
+    written in ``folder``: their entries still hold timings of an earlier render."""
+    if not kernels:
+        return
+    table = load_table(folder)
+    for kernel in sorted(kernels):
+        table.carried[kernel] = dict(carried[kernel])
+    write_table(folder, table)
 
 
 def _tuned_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -62,8 +62,9 @@ def tune(
     restamp: Path = typer.Option(
         None,
         help="a tuned folder (generated/<gpu>): after a refactor, keep the studies whose "
-        "kernels compile to the machine code they measured and rewrite its outputs; no GPU, "
-        "compiles only, refused if any kernel's code changed",
+        "kernels compile to the machine code they measured and rewrite its outputs (planned "
+        "from --space if given, else its last run's spaces; a carried kernel stays carried); "
+        "no GPU, compiles only, refused if any kernel's code changed",
     ),
     checked: list[Path] = typer.Option(
         None,
@@ -96,7 +97,7 @@ def tune(
         _repick(repick)
         return
     if restamp is not None:
-        _restamp(restamp, jobs)
+        _restamp(restamp, jobs, space)
         return
     from kdagen.tune import run
 
@@ -210,11 +211,11 @@ def _repick(folder: Path) -> None:
     typer.echo(f"picked again and rewrote {result.folder} (nothing re-timed)")
 
 
-def _restamp(folder: Path, jobs: int) -> None:
+def _restamp(folder: Path, jobs: int, spaces: list[str] | None) -> None:
     from kdagen.tune import TuneError, restamp
 
     try:
-        result = restamp(folder, jobs, echo=lambda line: typer.echo(line, err=True))
+        result = restamp(folder, jobs, echo=lambda line: typer.echo(line, err=True), spaces=spaces)
     except TuneError as err:
         typer.echo(f"kdagen tune: {err}", err=True)
         raise typer.Exit(2) from None

@@ -148,7 +148,7 @@ if has tune; then
   mkdir -p "$out/gen" && cp -rp generated/nvidia-* "$out/gen/"  # resume: re-measure what changed
   # What this call's check (and CHECK_RESUME's) passed is timed without checking it again.
   checked=(); for f in "$out"/check_*.json "${CHECK_RESUME:-/nonexistent}"/*.json; do [[ -f $f ]] && checked+=(--checked "$f"); done
-  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space verify_tree_sm90.yaml --space verify_wide_sm90.yaml --space commit.yaml --jobs 16 --out "$out/gen" "${checked[@]}" ${TUNE_ARGS:-}
+  TAIL=20 step tune kdagen tune --space verify_sm90.yaml --space verify_tree_sm90.yaml --space verify_wide_sm90.yaml --space commit.yaml --space commit_ring.yaml --jobs 16 --out "$out/gen" "${checked[@]}" ${TUNE_ARGS:-}
   cp -rp "$out"/gen/nvidia-* generated/ && tar czf "$out/gen.tgz" -C "$out/gen" .
 fi
 if has bench_model; then

@@ -18,6 +18,7 @@ GENERATED = Path(__file__).resolve().parents[1] / "generated"
 TABLES = sorted(p.parent for p in GENERATED.glob("*/dispatch.json"))
 SPACES = {
     "commit": "commit.yaml",
+    "commit_ring": "commit_ring.yaml",
     "verify": "verify_sm90.yaml",
     "tree": "verify_tree_sm90.yaml",
     "wide": "verify_wide_sm90.yaml",

@@ -16,6 +16,7 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from kdagen import render as krender
+from kdagen.carry import carry
 from kdagen.check import CaseResult
 from kdagen.claims import is_claim
 from kdagen.cli import app
@@ -689,6 +690,36 @@ def test_restamp_carries_a_refactor_without_a_gpu_and_refuses_a_code_change(
     table = dispatch.load_table(folder)
     assert table.staleness("commit", table.dsl_version, table.template_hashes["commit"],
                            krender.kernels_digest(table.measured["commit"])) is None  # fmt: skip
+
+
+def test_restamp_keeps_a_carried_kernel_carried_and_plans_from_the_spaces_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel the table carries (``kdagen carry``) keeps its measured entries and its carry
+    record through a restamp, nothing compiled for it, where an uncarried code change is
+    refused (above); the spaces given are what the rewrite plans from and records."""
+    path = tmp_path / "workloads.yaml"
+    path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n")
+    run(options(tmp_path, path, simulate={}, match="q1-i32", trials=3), lambda s: None,
+        fixed_default)  # fmt: skip
+    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
+    runs = json.loads((folder / "runs.json").read_text())
+    runs[-1]["options"]["workloads"] = str(path)
+    (folder / "runs.json").write_text(json.dumps(runs))
+    entries = dispatch.load_table(folder).entries
+    original = krender.render
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
+    evidence = tmp_path / "ab.txt"
+    evidence.write_text("A/B of the edit\n")
+    carry(folder, "commit", "the edit", evidence)
+    compiler = SimulatedCompiler("sm_90a", {})
+    result = restamp(folder, compiler=compiler, echo=lambda s: None, spaces=["commit.yaml"])
+    assert result.notes == ["re-stamped 0 studies"] and not compiler.submitted
+    table = dispatch.load_table(folder)
+    assert table.entries == entries and table.carried["commit"]["reason"] == "the edit"
+    assert table.render_hashes["commit"] == krender.kernels_digest(table.measured["commit"])
+    assert json.loads((folder / "runs.json").read_text())[-1]["options"] == {
+        "restamp": True, "spaces": ["commit.yaml"]}  # fmt: skip
 
 
 def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -> None:

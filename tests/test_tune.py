@@ -697,7 +697,8 @@ def test_restamp_keeps_a_carried_kernel_carried_and_plans_from_the_spaces_given(
 ) -> None:
     """A kernel the table carries (``kdagen carry``) keeps its measured entries and its carry
     record through a restamp, nothing compiled for it, where an uncarried code change is
-    refused (above); the spaces given are what the rewrite plans from and records."""
+    refused (above), and only for the render the carry measured; the spaces given are what the
+    rewrite plans from and records."""
     path = tmp_path / "workloads.yaml"
     path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n")
     run(options(tmp_path, path, simulate={}, match="q1-i32", trials=3), lambda s: None,
@@ -720,6 +721,10 @@ def test_restamp_keeps_a_carried_kernel_carried_and_plans_from_the_spaces_given(
     assert table.render_hashes["commit"] == krender.kernels_digest(table.measured["commit"])
     assert json.loads((folder / "runs.json").read_text())[-1]["options"] == {
         "restamp": True, "spaces": ["commit.yaml"]}  # fmt: skip
+    # a second code change is not what the carry measured: refused
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 2\n")
+    with pytest.raises(TuneError, match="1 study changed machine code or candidates"):
+        restamp(folder, compiler=SimulatedCompiler("sm_90a", {}), echo=lambda s: None)
 
 
 def test_plan_maps_workloads_to_contract_keys(workloads: Path, tmp_path: Path) -> None:

@@ -659,9 +659,9 @@ def test_refresh_times_again_only_the_leaders_of_studies_whose_kernels_changed(
     assert "refreshed" not in (folder / "report.md").read_text()
 
 
-def test_restamp_carries_a_refactor_without_a_gpu_and_refuses_a_code_change(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def tuned_for_restamp(tmp_path: Path) -> Path:
+    """A simulated tune of one study whose last run names its workloads file (which restamp
+    plans from): its folder."""
     path = tmp_path / "workloads.yaml"
     path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n")
     run(options(tmp_path, path, simulate={}, match="q1-i32", trials=3), lambda s: None,
@@ -670,6 +670,13 @@ def test_restamp_carries_a_refactor_without_a_gpu_and_refuses_a_code_change(
     runs = json.loads((folder / "runs.json").read_text())
     runs[-1]["options"]["workloads"] = str(path)
     (folder / "runs.json").write_text(json.dumps(runs))
+    return folder
+
+
+def test_restamp_carries_a_refactor_without_a_gpu_and_refuses_a_code_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tuned_for_restamp(tmp_path)
     original = krender.render
     compiler = SimulatedCompiler("sm_90a", {})
     monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
@@ -699,14 +706,7 @@ def test_restamp_keeps_a_carried_kernel_carried_and_plans_from_the_spaces_given(
     record through a restamp, nothing compiled for it, where an uncarried code change is
     refused (above), and only for the render the carry measured; the spaces given are what the
     rewrite plans from and records."""
-    path = tmp_path / "workloads.yaml"
-    path.write_text("workloads:\n  - {name: q1, heads: 12, window: 1, batches: [1]}\n")
-    run(options(tmp_path, path, simulate={}, match="q1-i32", trials=3), lambda s: None,
-        fixed_default)  # fmt: skip
-    folder = tmp_path / "gen" / "simulated-h200-sm90-132sm"
-    runs = json.loads((folder / "runs.json").read_text())
-    runs[-1]["options"]["workloads"] = str(path)
-    (folder / "runs.json").write_text(json.dumps(runs))
+    folder = tuned_for_restamp(tmp_path)
     entries = dispatch.load_table(folder).entries
     original = krender.render
     monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")

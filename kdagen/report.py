@@ -81,9 +81,11 @@ def build_table(
     stamp: dict[str, Any],
     device: dict[str, Any],
     space: dict[str, dict[str, list[str]]] | None = None,
+    carried: dict[str, dict[str, str]] | None = None,
 ) -> DispatchTable:
     """The dispatch table of ``results``; ``space``: kernel -> contract key -> every variant of
-    the search spaces tuned from (the lookup stays inside it)."""
+    the search spaces tuned from (the lookup stays inside it); ``carried``: the carry records
+    (``kdagen carry``) of kernels whose entries hold timings of an earlier render."""
     entries: dict[str, list[Entry]] = defaultdict(list)
     for r in sorted(results, key=lambda r: (r.key, r.batch)):
         f = r.final
@@ -111,6 +113,7 @@ def build_table(
         measured=measured,
         render_hashes={k: kernels_digest(names) for k, names in measured.items()},
         space={k: v for k, v in (space or {}).items() if k in covered},
+        carried={k: dict(v) for k, v in (carried or {}).items() if k in covered},
     )
 
 
@@ -355,9 +358,10 @@ def write_all(
     wall_s: float,
     options: dict[str, Any],
     space: dict[str, dict[str, list[str]]] | None = None,
+    carried: dict[str, dict[str, str]] | None = None,
 ) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    write_table(folder, build_table(results, stamp, device, space))
+    write_table(folder, build_table(results, stamp, device, space, carried))
     (folder / "winners.json").write_text(json.dumps(winners(results), indent=1) + "\n")
     runs = append_run(folder, wall_s, options)
     for key in sorted({r.key for r in results}):

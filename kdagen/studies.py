@@ -190,15 +190,12 @@ def restart_stale(
     return [f"{name}: {why}" for name, why in stale.items()]
 
 
-def render_changed_only(
-    storage: optuna.storages.BaseStorage, name: str, space_hash: str, stamp: Stamp
-) -> bool:
-    """Whether study ``name`` is stale only because its kernels render differently: the same
-    GPU, DSL and candidates, its measurements of an earlier render of them."""
-    study_id, attrs = _stored(storage, name)
-    return not (study_id is None or not attrs.get("candidate_names")
-                or attrs.get("space") != space_hash or foreign(attrs, stamp)
-                or attrs.get("dsl_version") != stamp.dsl_version
+def render_changed_only(attrs: dict[str, Any], space_hash: str, stamp: Stamp) -> bool:
+    """Whether a stored study (its user attributes ``attrs``) is stale only because its kernels
+    render differently: the same GPU, DSL and candidates, its measurements of an earlier
+    render of them."""
+    return not (not attrs.get("candidate_names") or attrs.get("space") != space_hash
+                or foreign(attrs, stamp) or attrs.get("dsl_version") != stamp.dsl_version
                 or staleness(attrs, stamp) is None)  # fmt: skip
 
 
@@ -218,7 +215,8 @@ def keep_if_same_machine(
 
     study_id, attrs = _stored(storage, name)
     names = attrs.get("candidate_names")
-    if not attrs.get("machine_hash") or not render_changed_only(storage, name, space_hash, stamp):
+    if (study_id is None or not attrs.get("machine_hash")
+            or not render_changed_only(attrs, space_hash, stamp)):  # fmt: skip
         return False
     digests = machine_of(list(names))
     if digests is None or machine_hash(digests) != attrs["machine_hash"]:

@@ -64,7 +64,7 @@ from kdagen.search import (
     recorded,
     replay_efficiency,
 )
-from kdagen.serve.dispatch import generated_root, load_table, nearest_point, write_table
+from kdagen.serve.dispatch import generated_root, load_table, nearest_point
 from kdagen.serve.variant import PATHS, Variant
 from kdagen.space import DEFAULT_SPACES, Space, load_workloads, name_matches
 from kdagen.storage import describe, folder_url, open_storage, pack_folder
@@ -82,6 +82,7 @@ from kdagen.studies import (
     render_changed_only,
     restart_stale,
     stale_studies,
+    stored_attrs,
 )
 from kdagen.worker import Worker, WorkerFailure
 
@@ -630,8 +631,9 @@ def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
         storage = open_storage(folder_url(folder))
         stamp = make_stamp(device["fingerprint"], list(PATHS))
         stale = stale_studies(storage, {n: p.space_hash for n, p in planned.items()}, stamp)
+        attrs = stored_attrs(storage, list(stale))
         kept_carried = [n for n in stale if planned[n].kernel in carried
-                        and render_changed_only(storage, n, planned[n].space_hash, stamp)]  # fmt: skip
+                        and render_changed_only(attrs[n], planned[n].space_hash, stamp)]  # fmt: skip
         to_compile = [n for n in stale if n not in kept_carried]
         echo(f"{len(stale)} of {len(planned)} studies render differently ({len(kept_carried)} "
              f"of a carried kernel, kept as measured); compiling {len(to_compile)}")  # fmt: skip
@@ -657,8 +659,8 @@ def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
         results = [report.result_of(s) for s in studies]
         report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
                          {"restamp": True, "spaces": list(spaces)},
-                         space_points(spaces, device["arch"]))  # fmt: skip
-        keep_carried_records(folder, {planned[n].kernel for n in kept_carried}, carried)
+                         space_points(spaces, device["arch"]),
+                         {k: carried[k] for k in {planned[n].kernel for n in kept_carried}})  # fmt: skip
         pack_folder(folder)
     return TuneResult(folder, results, [f"re-stamped {len(to_compile)} studies"],
                       time.time() - started, bool(device.get("simulated")))  # fmt: skip
@@ -668,17 +670,6 @@ def carry_covers(table: dict[str, Any], kernel: str) -> bool:
     """Whether the carry of ``kernel`` in ``table`` (a dispatch.json) was made for the kernels
     this checkout renders: one more render change since is not carried."""
     return table["render_hashes"].get(kernel) == kernels_digest(table["measured"].get(kernel, []))
-
-
-def keep_carried_records(folder: Path, kernels: set[str], carried: dict[str, Any]) -> None:
-    """Put back the carry records (``kdagen carry``) of ``kernels`` into the table just
-    written in ``folder``: their entries still hold timings of an earlier render."""
-    if not kernels:
-        return
-    table = load_table(folder)
-    for kernel in sorted(kernels):
-        table.carried[kernel] = dict(carried[kernel])
-    write_table(folder, table)
 
 
 def _tuned_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -128,17 +128,10 @@ SOFTPLUS_ONE_TILE = False
 # The PDL commit kernels read their slot and the layer table before griddepcontrol.wait and
 # fetch the slot's state into L2 there, under the kernel launched before them (the verify's
 # first-state prefetch, for commit). Off until `kdagen check` and the model bench have run its
-# renders on a GPU; switching it on re-renders every PDL commit kernel (their studies re-timed)
-# and adds the commit to README's rule on what the kernel before a PDL launch must not write.
+# renders on a GPU; switching it on re-renders every PDL commit kernel but the ring's (their
+# studies re-timed) and adds the commit to README's rule on what the kernel before a PDL launch
+# must not write.
 COMMIT_STATE_PREFETCH = False
-
-# The ring commits (path bulk_ring) read the token-major conv history rows they move before
-# the folds, as now, but write them after the folds: the folds no longer wait for rows that
-# queue behind the states in HBM (at B = 1 the conv cost the H200's table pick 2.1 us of 24.8;
-# docs/history/model-commit.md). The rows stay in registers across the folds. Off until
-# `kdagen check` has run its renders on a GPU and a sweep at B = 1 has timed it; switching it
-# on re-renders the ring's kernels (their studies re-timed).
-COMMIT_CONV_LATE = False
 
 # Verify kernels that cut the rows named by device values to their tensors: each window to rows
 # [0, T), the conv history's first row to [0, Q - 1] (kdagen/dsl/bounds.py). Without it a start
@@ -217,10 +210,11 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "tree": variant.tree,
     }
     if variant.kernel == "commit":
-        context["prefetch_state"] = COMMIT_STATE_PREFETCH and variant.pdl
-        # The ring only (the model step's B = 1 pick): elsewhere the rows held across the folds
-        # cost many a variant a resident CTA (10 of 29 sampled without prefix caching).
-        context["conv_late"] = COMMIT_CONV_LATE and variant.path == "bulk_ring"
+        # Not the ring: its one wave of resident CTAs would fetch more states than L2 holds
+        # (7 % slower at B = 1, 15 % at B = 16 on an H100; docs/history/model-commit.md).
+        context["prefetch_state"] = (
+            COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
+        )
     if variant.kernel == "verify":
         context["row_bounds"] = VERIFY_ROW_BOUNDS
         context["state_after_wait"] = VERIFY_STATE_AFTER_WAIT and variant.pdl

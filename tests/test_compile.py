@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from frames import resident_ctas
 
 from kdagen import compile as kcompile
 from kdagen import first_use
@@ -406,34 +405,13 @@ def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
 ) -> None:
     """Switched on (until a GPU has measured it), a PDL commit reads its slot and fetches the
     slot's state into L2 before griddepcontrol.wait, and copies it into shared memory only
-    after the wait; a commit without PDL renders as before."""
+    after the wait; a commit without PDL, or on the ring, renders as before."""
     variant = Variant.parse(name)
     first = _first_ops(variant, tmp_path, ("LDG", "UBLKPF", "ACQBULK", "UBLKCP"))
     assert first["LDG"] < first["UBLKPF"] < first["ACQBULK"] < first["UBLKCP"], first
     assert "prefetch_l2(" not in krender.render(variant.replace(pdl=False))
-
-
-@pytest.mark.parametrize("switched_on", ["COMMIT_CONV_LATE"], indirect=True)
-def test_the_ring_writes_its_conv_rows_after_the_folds(tmp_path: Path, switched_on) -> None:
-    """Switched on (until a GPU has measured it), the ring reads its token-major conv history
-    rows before the folds and writes them after them, still 7 CTAs an SM (the rows held
-    across the folds take registers) and no stack frame; the dim-first rows and every other
-    commit path move as with the switch off."""
     ring = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
-    source = krender.render(ring)
-    fold = source.index("self.fold(folds, updates, count, final")
-    assert source.index("self.read_conv_pieces(") < fold < source.index("self.write_conv_pieces(")
-    assert "self.move_conv_lines(" in source and "def move_conv_pieces" not in source
-    bulk = Variant.parse("commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl")
-    assert "self.move_conv_pieces(" in krender.render(bulk)
-    record = kcompile.compile_variant(ring, "sm_90a", tmp_path)
-    assert record.ok and record.frame_bytes == 0, (record.error, record.frame_bytes)
-    assert resident_ctas(record, ring.threads) >= 7
-    if find_nvdisasm() is not None:  # the rows' 16-byte stores follow the state's 8-byte ones
-        lines = _sass_lines(ring, tmp_path)
-        state = [i for i, line in enumerate(lines) if re.search(r"\bSTG\.E\.64\b", line)]
-        rows = [i for i, line in enumerate(lines) if re.search(r"\bSTG\.E\.128\b", line)]
-        assert state and rows and min(rows) > max(state), (state[-1:], rows[:1])
+    assert "prefetch_l2(" not in krender.render(ring)
 
 
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")

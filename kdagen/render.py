@@ -210,8 +210,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         "tree": variant.tree,
     }
     if variant.kernel == "commit":
-        # Not the ring: its one wave of resident CTAs would fetch more states than L2 holds
-        # (7 % slower at B = 1, 15 % at B = 16 on an H100; docs/history/model-commit.md).
+        # Not the ring: it measured 7 % slower at B = 1 and 15 % at B = 16 with the prefetch
+        # (H100, 2026-12-07; docs/history/model-commit.md).
         context["prefetch_state"] = (
             COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
         )

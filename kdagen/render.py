@@ -133,13 +133,14 @@ SOFTPLUS_ONE_TILE = False
 # must not write.
 COMMIT_STATE_PREFETCH = False
 
-# The commit kernels that fold on the CUDA cores (paths bulk and bulk_ring) read their gate
-# weights (a_log, dt_bias: never written while serving) before griddepcontrol.wait, as the
-# tensor-core path reads them under the records' copies: after the records land, the factors no
-# longer wait one more global round trip (at batch 1, one wave, that latency is the kernel's).
-# Off until a sweep has timed it and `kdagen check` has run its renders on a GPU; switching it on
-# re-renders those kernels (their studies re-timed).
-COMMIT_GATES_EARLY = False
+# The commit kernels that fold on the CUDA cores (paths bulk and bulk_ring) shorten the chain of
+# reads before their factors, which at batch 1 (one wave) is the kernel's critical path: they
+# read their gate weights (a_log, dt_bias: never written while serving) before
+# griddepcontrol.wait, and without prefix caching they issue the records' copies before the
+# state's, so the records no longer queue in HBM behind every CTA's state. Off until a sweep
+# has timed it and `kdagen check` has run its renders on a GPU; switching it on re-renders those
+# kernels (their studies re-timed).
+COMMIT_EARLY_READS = False
 
 # Verify kernels that cut the rows named by device values to their tensors: each window to rows
 # [0, T), the conv history's first row to [0, Q - 1] (kdagen/dsl/bounds.py). Without it a start
@@ -223,7 +224,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["prefetch_state"] = (
             COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
         )
-        context["gates_early"] = COMMIT_GATES_EARLY and variant.path in ("bulk", "bulk_ring")
+        context["gates_early"] = COMMIT_EARLY_READS and variant.path in ("bulk", "bulk_ring")
+        context["records_first"] = context["gates_early"] and not variant.prefix_caching
     if variant.kernel == "verify":
         context["row_bounds"] = VERIFY_ROW_BOUNDS
         context["state_after_wait"] = VERIFY_STATE_AFTER_WAIT and variant.pdl

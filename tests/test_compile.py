@@ -415,23 +415,27 @@ def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
 
 
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
-@pytest.mark.parametrize("switched_on", ["COMMIT_GATES_EARLY"], indirect=True)
+@pytest.mark.parametrize("switched_on", ["COMMIT_EARLY_READS"], indirect=True)
 @pytest.mark.parametrize(
-    "name",
+    ("name", "records_first"),
     [
-        "commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl",
-        "commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r4-pdl",
+        ("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl", True),
+        ("commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r4-pdl", False),
     ],
 )
-def test_a_commit_reads_its_gate_weights_before_the_wait(
-    name: str, tmp_path: Path, switched_on
+def test_a_commit_reads_its_gates_and_records_early(
+    name: str, records_first: bool, tmp_path: Path, switched_on
 ) -> None:
     """Switched on (until every commit render is checked on a GPU), a commit that folds on the
     CUDA cores loads a_log and its channels' dt_bias before griddepcontrol.wait, where a plain
-    load would be sunk to the factors, after the records land; the tensor-core path keeps its
-    own order."""
-    first = _first_ops(Variant.parse(name), tmp_path, ("LDG.E.CONSTANT", "ACQBULK"))
+    load would be sunk to the factors; without prefix caching it copies the records before the
+    state. The tensor-core path keeps its own order."""
+    variant = Variant.parse(name)
+    first = _first_ops(variant, tmp_path, ("LDG.E.CONSTANT", "ACQBULK"))
     assert first["LDG.E.CONSTANT"] < first["ACQBULK"], first
+    source = krender.render(variant)
+    records, state = source.index("cute.copy(corr_copy"), source.index("if source_ok:")
+    assert (records < state) == records_first, (records, state)
     mma = Variant.parse("commit-h12-q8-noprefix-i32-bulk_mma-t128-r1-pdl")
     assert "load_weight(" not in krender.render(mma)
 

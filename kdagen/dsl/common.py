@@ -58,17 +58,6 @@ def prefetch_l2_line(address: Int64):
 
 
 @cute.jit
-def load_weight(weights: cute.Tensor, index: Int32) -> Float32:
-    """Element ``index`` of a flat fp32 weight tensor (never written while serving) by a load
-    the compiler keeps where it stands: issued before ``griddepcontrol.wait``, its latency
-    hides under the wait (a plain load is sunk to its first use)."""
-    address = Int64((weights.iterator + index).toint())
-    return cute.arch.inline_ptx(
-        "ld.global.nc.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address]
-    )
-
-
-@cute.jit
 def load_words(address: Int64, count: cutlass.Constexpr[int] = 2) -> list:
     """``count`` (2 or 4) consecutive 32-bit words from global memory in one vector load."""
     words = cute.arch.inline_ptx(

@@ -53,6 +53,17 @@ class Timing:
         return 100.0 * (self.p90_us - self.p10_us) / self.median_us
 
 
+def quantiles_text(values: Sequence[float]) -> str:
+    """``min / median / p90 / max`` of a trace's per-CTA times (perf scripts), "-" if none."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return (
+        f"{ordered[0]:6.2f} / {statistics.median(ordered):6.2f} / "
+        f"{ordered[int(0.9 * (len(ordered) - 1))]:6.2f} / {ordered[-1]:6.2f}"
+    )
+
+
 def _timing_columns(t: Timing, floor: float) -> tuple[float, float, float, int, float, float]:
     """A bench row's ``median_us, p10_us, p90_us, sets, floor_us, pct_of_floor``: one rounding
     for the commit and verify rows, so their CSV columns read alike."""

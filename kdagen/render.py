@@ -91,12 +91,17 @@ BOUNDS: dict[str, tuple[Callable[[Variant], bool], str]] = {
 }  # fmt: skip
 
 
+def _traced_commit(variant: Variant) -> bool:
+    return variant.kernel == "commit" and variant.path in ("bulk", "bulk_ring")
+
+
 @dataclass(frozen=True)
 class RenderOptions:
     """Perf-work builds (scripts/trace_verify.py, scripts/sweep_model_commit.py); the
-    defaults render the product's kernel. ``trace_records`` (sm90_wgmma verify kernels): the
-    device address of the per-CTA trace records into which thread 0 of each CTA stores
-    %globaltimer (0: none). ``bound``: a key of ``BOUNDS``, or None."""
+    defaults render the product's kernel. ``trace_records`` (sm90_wgmma verify kernels and the
+    commit paths bulk and bulk_ring): the device address of the per-CTA trace records into
+    which thread 0 of each CTA stores %globaltimer (0: none). ``bound``: a key of ``BOUNDS``,
+    or None."""
 
     trace_records: int = 0
     bound: str | None = None
@@ -105,9 +110,9 @@ class RenderOptions:
         """Raise ValueError where ``variant``'s template has no such build."""
         if self == RenderOptions():
             return
-        if self.trace_records and not _sm90(variant):
-            raise ValueError(f"trace records are built into sm90_wgmma verify kernels, not "
-                             f"{variant.name}")  # fmt: skip
+        if self.trace_records and not (_sm90(variant) or _traced_commit(variant)):
+            raise ValueError(f"trace records are built into sm90_wgmma verify kernels and the "
+                             f"bulk and bulk_ring commits, not {variant.name}")  # fmt: skip
         if self.bound is None:
             return
         if self.bound not in BOUNDS:

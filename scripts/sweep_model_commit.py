@@ -12,6 +12,7 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
                                          [--batches 1,16,64,256] [--top 4] [--match S]
                                          [--no-prefix-caching] [--bound no-fold]
                                          [--prefetch-state] [--lead-us 3,6] [--space FILE]
+                                         [--trace]
 
 ``--prefetch-state`` builds every kernel with ``kdagen.render.COMMIT_STATE_PREFETCH`` on (each
 PDL commit fetches its state into L2 before griddepcontrol.wait); run the sweep once without and
@@ -23,6 +24,12 @@ time over the lead's own: with ``--prefetch-state``, how fast the commit streams
 states have X us to reach L2 under the kernel before it. That is what a commit split into a
 factor kernel and a streaming kernel launched under it could gain (docs/history/model-commit.md).
 
+``--trace`` builds every kernel with per-CTA trace records (``kdagen.render.RenderOptions``,
+the bulk and bulk_ring paths: a few stores a CTA, so the times are the traced builds') and
+prints, for each variant and batch, when the CTAs of the graph's last launch pass each stage
+(the copies issued, the records landed, the factors, each state piece, the fold, the exit:
+us from the first CTA's entry) and how their exits spread over SMs holding more or fewer CTAs.
+
 ``--space`` sweeps another commit space (a YAML path, e.g. the shipped one with a tuning value
 added): a variant need not be in the shipped space or the table to be timed.
 """
@@ -30,6 +37,7 @@ added): a variant need not be in the shipped space or the table to be timed.
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
 
@@ -90,6 +98,39 @@ def time_variant(sets: list, built: list[ModelCommit], variant: object,
     return bench.time_graph([partial(launch, m, s) for m, s in zip(built, sets, strict=True)])
 
 
+TRACE_STAGES = (("entry", 0), ("griddepcontrol.wait", 1), ("copies issued", 4),
+                ("records landed", 5), ("factors ready", 6))  # fmt: skip
+
+
+def summarise_trace(records: torch.Tensor, ctas: int) -> None:
+    """The stages of one launch's CTAs (fields of ``templates/commit/bulk.py.j2``'s trace),
+    us from the first entry; a stage a CTA did not pass in that launch (no tokens to fold)
+    holds an earlier launch's time, outside its own entry and exit, and is left out."""
+    rows = records.view(-1, krender.TRACE_SLOTS)[:ctas].tolist()
+    base = min(r[0] for r in rows)
+
+    def stage(field: int) -> list[float]:
+        return [(r[field] - base) * 1e-3 for r in rows if r[0] <= r[field] <= r[2]]
+
+    stages = [*TRACE_STAGES]
+    stages += [(f"piece {p} landed", krender.TRACE_HEADER + p) for p in range(16)
+               if stage(krender.TRACE_HEADER + p)]  # fmt: skip
+    stages += [("fold done", 7), ("exit", 2)]
+    print("    (min / median / p90 / max, us from the first CTA's entry)")
+    for label, field in stages:
+        print(f"    {label:<20} {bench.quantiles_text(stage(field))}")
+    exits: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        exits[r[3]].append((r[2] - base) * 1e-3)
+    by_load: dict[int, list[float]] = defaultdict(list)  # CTAs an SM held -> its last exit
+    for times in exits.values():
+        by_load[len(times)].append(max(times))
+    for held, last in sorted(by_load.items()):
+        print(
+            f"    SMs holding {held:3d} CTAs: {len(last):3d}, last exit {bench.quantiles_text(last)}"
+        )
+
+
 def render_with(options: krender.RenderOptions) -> None:
     """Every kernel this process builds rendered with ``options`` (its digest differs from
     the product render's, so both builds keep their own cache entries)."""
@@ -127,19 +168,26 @@ def main() -> None:
     parser.add_argument("--space", default="commit.yaml", help="the commit space to sweep")
     parser.add_argument("--prefetch-state", action="store_true",
                         help="build with kdagen.render.COMMIT_STATE_PREFETCH on")  # fmt: skip
+    parser.add_argument("--trace", action="store_true",
+                        help="per-CTA timelines of the graph's last launch (traced builds)")  # fmt: skip
     parser.add_argument("--lead-us", default="",
                         help="also time each variant behind a kernel of these us (comma list)")  # fmt: skip
     args = parser.parse_args()
     if args.prefetch_state:
         krender.COMMIT_STATE_PREFETCH = True  # before anything renders
-    if args.bound:
-        render_with(krender.RenderOptions(bound=args.bound))
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     build = "-noprefix" if args.no_prefix_caching else ""
     key = f"commit-h{args.heads}-q{args.window}{build}-i32"
     candidates = [v for v in Space.load(args.space).expand().variants
                   if v.contract_key == key and name_matches(v.name, args.match or None)]  # fmt: skip
+    records = None
+    if args.trace:  # one buffer for every launch: its address is built into the kernels
+        ctas = args.layers * max(int(b) for b in args.batches.split(",")) * args.heads
+        ctas *= max(v.row_split for v in candidates)
+        records = torch.zeros(ctas * krender.TRACE_SLOTS, dtype=torch.int64, device="cuda")
+    if args.bound or args.trace:
+        render_with(krender.RenderOptions(records.data_ptr() if args.trace else 0, args.bound))
     peer = vllm_commit().fn
     for batch in (int(b) for b in args.batches.split(",")):
         sets = bench_model.model_sets(args.heads, args.window, args.layers, batch, 0, False)
@@ -170,6 +218,12 @@ def main() -> None:
             f"   worst {rows[-1][0].median_us:.2f} {rows[-1][1]}; no conv best "
             f"{best_plain[0]:.2f} ({100 * floor_plain / best_plain[0]:.1f}%) {best_plain[1]}"
         )
+        for _, name in rows[: args.top] if records is not None else ():
+            variant = next(v for v in candidates if v.name == name)
+            records.zero_()
+            time_variant(sets, with_conv, variant)
+            print(f"   trace of {name}:")
+            summarise_trace(records, args.layers * batch * args.heads * variant.row_split)
         for us in (float(x) for x in args.lead_us.split(",") if x):
             lead = lead_launch(us)
             alone = bench.time_graph([lead] * count).median_us

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import kdagen.compile as kcompile  # noqa: E402
 import kdagen.render as krender  # noqa: E402
 from kdagen.bench import copy_bandwidth, floor_us, time_graph, verify_launch, verify_sets  # noqa: E402
+from kdagen.bench import quantiles_text as _stats  # noqa: E402
 from kdagen.render import BOUNDS, TRACE_HEADER, TRACE_SLOTS, RenderOptions  # noqa: E402
 from kdagen.serve.variant import Variant  # noqa: E402
 
@@ -41,16 +42,6 @@ ORIGINAL_RENDER = krender.render
 # docs/history.
 CONFIGS: dict[str, str | None] = {"prologue": None, **{b: b for b in BOUNDS}}
 CONFIGS["io-only"] = "loads-stores-only"
-
-
-def _stats(values: list[float]) -> str:
-    if not values:
-        return "-"
-    values = sorted(values)
-    return (
-        f"{values[0]:6.2f} / {statistics.median(values):6.2f} / "
-        f"{values[int(0.9 * (len(values) - 1))]:6.2f} / {values[-1]:6.2f}"
-    )
 
 
 def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) -> None:

@@ -65,8 +65,8 @@ def test_a_bound_refuses_what_it_does_not_apply_to() -> None:
         render(replace(BASE, row_split=2), RenderOptions(bound="loads-stores-only"))
     with pytest.raises(ValueError, match="unknown bound"):
         render(BASE, RenderOptions(bound="no-math"))
-    commit = Variant(kernel="commit", heads=2, window=2)
-    with pytest.raises(ValueError, match="sm90_wgmma verify"):
+    commit = Variant(kernel="commit", heads=12, window=8, path="bulk_mma", threads=128)
+    with pytest.raises(ValueError, match="sm90_wgmma verify kernels and the bulk"):
         render(commit, RenderOptions(trace_records=TRACE))
 
 
@@ -95,3 +95,53 @@ def test_a_traced_bound_builds_for_sm90a(tmp_path: Path) -> None:
     kernel = getattr(module, BASE.spec.class_name)()
     cute.compile(kernel, *placeholder_args(BASE), options=compile_options("sm_90a", tmp_path))
     assert list(tmp_path.glob("*.cubin"))
+
+
+RING = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
+
+
+def test_a_traced_commit_stamps_its_stages_and_builds_for_sm90a(tmp_path: Path) -> None:
+    """The bulk and bulk_ring commits take trace records (scripts/sweep_model_commit.py
+    --trace): every stage and each state piece stamped, the product render untouched."""
+    import cutlass.cute as cute
+
+    source = render(RING, RenderOptions(trace_records=TRACE))
+    for field in ("trace_put(4,", "trace_put(5,", "trace_put(6,", "trace_put(7,", "trace_put(2,"):
+        assert field in source, field
+    assert "trace_put(TRACE_HEADER + n //" in source and "trace_put" not in render(RING)
+    path = tmp_path / "kernel.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("traced_commit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = getattr(module, RING.spec.class_name)()
+    cute.compile(kernel, *placeholder_args(RING), options=compile_options("sm_90a", tmp_path))
+    assert list(tmp_path.glob("*.cubin"))
+
+
+def test_the_commit_trace_summary_reads_one_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    """Stages are us from the first entry; a stage stamped by an earlier launch (outside the
+    CTA's own entry and exit) is left out; SMs are grouped by the CTAs they held."""
+    import torch
+
+    from kdagen.render import TRACE_HEADER, TRACE_SLOTS
+
+    spec = importlib.util.spec_from_file_location(
+        "sweep_model_commit", Path(__file__).parents[1] / "scripts" / "sweep_model_commit.py"
+    )
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    records = torch.zeros(4 * TRACE_SLOTS, dtype=torch.int64)
+    rows = records.view(4, TRACE_SLOTS)
+    for cta, (sm, entry) in enumerate([(0, 10_000), (0, 10_000), (0, 11_000), (1, 10_000)]):
+        rows[cta, 0], rows[cta, 1], rows[cta, 3] = entry, entry + 500, sm
+        rows[cta, 5], rows[cta, TRACE_HEADER] = entry + 2_000, entry + 3_000
+    rows[:, 2] = torch.tensor([19_000, 19_500, 21_000, 22_000])  # exits
+    rows[3, 5] = 1_000  # an earlier launch's stamp
+    sweep.summarise_trace(records, 4)
+    out = capsys.readouterr().out
+    assert "records landed         2.00 /   2.00 /   2.00 /   3.00" in out
+    assert "piece 0 landed         3.00 /   3.00 /   3.00 /   4.00" in out
+    assert "piece 1" not in out
+    assert "SMs holding   1 CTAs:   1, last exit  12.00" in out
+    assert "SMs holding   3 CTAs:   1, last exit  11.00" in out

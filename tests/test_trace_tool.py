@@ -81,20 +81,24 @@ def test_the_commit_bound_drops_the_fold_and_only_applies_to_commits() -> None:
             render(commit, RenderOptions(bound=bound))
 
 
-def test_a_traced_bound_builds_for_sm90a(tmp_path: Path) -> None:
-    """Compiled GPU-less outside the compile cache, whose key is the product render (the
-    trace tool builds in a scratch cache)."""
+def _builds_for_sm90a(variant: Variant, source: str, root: Path) -> None:
+    """``source`` (a perf build of ``variant``) compiled GPU-less outside the compile cache,
+    whose key is the product render (the perf tools build in a scratch cache)."""
     import cutlass.cute as cute
 
-    options = RenderOptions(trace_records=TRACE, bound="no-stores")
-    path = tmp_path / "kernel.py"
-    path.write_text(render(BASE, options))
+    path = root / "kernel.py"
+    path.write_text(source)
     spec = importlib.util.spec_from_file_location("traced_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    kernel = getattr(module, BASE.spec.class_name)()
-    cute.compile(kernel, *placeholder_args(BASE), options=compile_options("sm_90a", tmp_path))
-    assert list(tmp_path.glob("*.cubin"))
+    kernel = getattr(module, variant.spec.class_name)()
+    cute.compile(kernel, *placeholder_args(variant), options=compile_options("sm_90a", root))
+    assert list(root.glob("*.cubin"))
+
+
+def test_a_traced_bound_builds_for_sm90a(tmp_path: Path) -> None:
+    options = RenderOptions(trace_records=TRACE, bound="no-stores")
+    _builds_for_sm90a(BASE, render(BASE, options), tmp_path)
 
 
 RING = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
@@ -103,20 +107,11 @@ RING = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
 def test_a_traced_commit_stamps_its_stages_and_builds_for_sm90a(tmp_path: Path) -> None:
     """The bulk and bulk_ring commits take trace records (scripts/sweep_model_commit.py
     --trace): every stage and each state piece stamped, the product render untouched."""
-    import cutlass.cute as cute
-
     source = render(RING, RenderOptions(trace_records=TRACE))
     for field in ("trace_put(4,", "trace_put(5,", "trace_put(6,", "trace_put(7,", "trace_put(2,"):
         assert field in source, field
     assert "trace_put(TRACE_HEADER + n //" in source and "trace_put" not in render(RING)
-    path = tmp_path / "kernel.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("traced_commit", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    kernel = getattr(module, RING.spec.class_name)()
-    cute.compile(kernel, *placeholder_args(RING), options=compile_options("sm_90a", tmp_path))
-    assert list(tmp_path.glob("*.cubin"))
+    _builds_for_sm90a(RING, source, tmp_path)
 
 
 def test_the_commit_trace_summary_reads_one_launch(capsys: pytest.CaptureFixture[str]) -> None:

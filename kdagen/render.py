@@ -91,7 +91,8 @@ BOUNDS: dict[str, tuple[Callable[[Variant], bool], str]] = {
 }  # fmt: skip
 
 
-def _traced_commit(variant: Variant) -> bool:
+def _cuda_core_commit(variant: Variant) -> bool:
+    """A commit that folds on the CUDA cores (paths bulk and bulk_ring)."""
     return variant.kernel == "commit" and variant.path in ("bulk", "bulk_ring")
 
 
@@ -110,7 +111,7 @@ class RenderOptions:
         """Raise ValueError where ``variant``'s template has no such build."""
         if self == RenderOptions():
             return
-        if self.trace_records and not (_sm90(variant) or _traced_commit(variant)):
+        if self.trace_records and not (_sm90(variant) or _cuda_core_commit(variant)):
             raise ValueError(f"trace records are built into sm90_wgmma verify kernels and the "
                              f"bulk and bulk_ring commits, not {variant.name}")  # fmt: skip
         if self.bound is None:
@@ -229,7 +230,7 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["prefetch_state"] = (
             COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
         )
-        context["gates_early"] = COMMIT_EARLY_READS and variant.path in ("bulk", "bulk_ring")
+        context["gates_early"] = COMMIT_EARLY_READS and _cuda_core_commit(variant)
         context["records_first"] = context["gates_early"] and not variant.prefix_caching
     if variant.kernel == "verify":
         context["row_bounds"] = VERIFY_ROW_BOUNDS

@@ -51,8 +51,8 @@ from kdagen.claims import STALE_S, Claim, Claims, is_claim
 from kdagen.compile import CompilePool
 from kdagen.evaluate import CandidateEvaluator, Compiler, Ledger, Progress
 from kdagen.finals import PICK_RULE, pick_again, run_finals
+from kdagen.first_use import staleness
 from kdagen.machine_code import machine_hash
-from kdagen.render import kernels_digest
 from kdagen.schedule import Schedule, Slot
 from kdagen.search import (
     Outcome,
@@ -616,17 +616,18 @@ def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
     ``spaces``: the spaces to plan from (default: the folder's last run's), so the finished
     studies of a tune of more spaces (a killed one included) can be shipped. A kernel the
     table carries (``kdagen carry``) for the kernels this checkout renders stays carried: its
-    studies of an earlier render keep their measurements. Refused, the table left as it was, when another study's code changed (or its
-    candidates, or it recorded none): that study needs ``kdagen tune`` on its GPU."""
+    studies of an earlier render keep their measurements. Refused, the table left as it was,
+    when another study's code changed (or its candidates, or it recorded none): that study
+    needs ``kdagen tune`` on its GPU."""
     started = time.time()
     table, last_run = _tuned_folder(folder)
     device = table["device"] | {"fingerprint": table["fingerprint"]}
     spaces = tuple(spaces or last_run.get("spaces") or DEFAULT_SPACES)
     plans, _ = plan_studies(spaces, last_run.get("workloads") or "workloads.yaml", device["arch"])
     planned = {p.study_name(b): p for p in plans for b in p.batches}
-    carried = {
-        k: record for k, record in table.get("carried", {}).items() if carry_covers(table, k)
-    }
+    # A carry covers the render it measured: one more change since is not carried.
+    loaded = load_table(folder)
+    carried = {k: record for k, record in loaded.carried.items() if staleness(loaded, k) is None}
     with folder_lock(folder):
         storage = open_storage(folder_url(folder))
         stamp = make_stamp(device["fingerprint"], list(PATHS))
@@ -664,12 +665,6 @@ def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
         pack_folder(folder)
     return TuneResult(folder, results, [f"re-stamped {len(to_compile)} studies"],
                       time.time() - started, bool(device.get("simulated")))  # fmt: skip
-
-
-def carry_covers(table: dict[str, Any], kernel: str) -> bool:
-    """Whether the carry of ``kernel`` in ``table`` (a dispatch.json) was made for the kernels
-    this checkout renders: one more render change since is not carried."""
-    return table["render_hashes"].get(kernel) == kernels_digest(table["measured"].get(kernel, []))
 
 
 def _tuned_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -142,10 +142,10 @@ COMMIT_STATE_PREFETCH = False
 # The commit kernels that fold on the CUDA cores (paths bulk and bulk_ring) shorten the chain of
 # reads before their factors, which at batch 1 (one wave) is the kernel's critical path: they
 # read their gate weights (a_log, dt_bias: never written while serving) before
-# griddepcontrol.wait, and without prefix caching they issue the records' copies before the
-# state's, so the records no longer queue in HBM behind every CTA's state. Off until a sweep
-# has timed it and `kdagen check` has run its renders on a GPU; switching it on re-renders those
-# kernels (their studies re-timed).
+# griddepcontrol.wait, and the bulk path without prefix caching issues the records' copies
+# before the state's (on an H100 at B = 1: ring 0.96-0.98x, bulk 0.93x). Every commit render
+# passed `kdagen check` with it on (H100); off until the H200 commit studies are re-timed with
+# it, since switching it on re-renders those kernels.
 COMMIT_EARLY_READS = False
 
 # Verify kernels that cut the rows named by device values to their tensors: each window to rows
@@ -231,7 +231,11 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
             COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
         )
         context["gates_early"] = COMMIT_EARLY_READS and _cuda_core_commit(variant)
-        context["records_first"] = context["gates_early"] and not variant.prefix_caching
+        # Not the ring: there the records-first order lost the gate weights' gain at B = 1,
+        # while the bulk path gained 6 % with it (H100; docs/history/model-commit.md).
+        context["records_first"] = (
+            context["gates_early"] and variant.path == "bulk" and not variant.prefix_caching
+        )
     if variant.kernel == "verify":
         context["row_bounds"] = VERIFY_ROW_BOUNDS
         context["state_after_wait"] = VERIFY_STATE_AFTER_WAIT and variant.pdl

@@ -419,7 +419,8 @@ def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
 @pytest.mark.parametrize(
     ("name", "records_first"),
     [
-        ("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl", True),
+        ("commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl", True),
+        ("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl", False),
         ("commit-h32-q8-softplus-tree-i64-bulk-t128-v4-r4-pdl", False),
     ],
 )
@@ -428,8 +429,8 @@ def test_a_commit_reads_its_gates_and_records_early(
 ) -> None:
     """Switched on (until every commit render is checked on a GPU), a commit that folds on the
     CUDA cores loads a_log and its channels' dt_bias before griddepcontrol.wait, where a plain
-    load would be sunk to the factors; without prefix caching it copies the records before the
-    state. The tensor-core path keeps its own order."""
+    load would be sunk to the factors; the bulk path without prefix caching copies the records
+    before the state. The tensor-core path keeps its own order."""
     variant = Variant.parse(name)
     first = _first_ops(variant, tmp_path, ("LDG.E.CONSTANT", "ACQBULK"))
     assert first["LDG.E.CONSTANT"] < first["ACQBULK"], first

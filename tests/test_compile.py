@@ -427,10 +427,11 @@ def test_a_pdl_commit_fetches_its_state_into_l2_before_the_wait(
 def test_a_commit_reads_its_gates_and_records_early(
     name: str, records_first: bool, tmp_path: Path, switched_on
 ) -> None:
-    """Switched on (until every commit render is checked on a GPU), a commit that folds on the
-    CUDA cores loads a_log and its channels' dt_bias before griddepcontrol.wait, where a plain
-    load would be sunk to the factors; the bulk path without prefix caching copies the records
-    before the state. The tensor-core path keeps its own order."""
+    """Switched on (off in the product until the H200 commit studies are re-timed), a commit
+    that folds on the CUDA cores loads a_log and its channels' dt_bias before
+    griddepcontrol.wait, where a plain load would be sunk to the factors; the bulk path without
+    prefix caching copies the records before the state. The tensor-core path keeps its own
+    order."""
     variant = Variant.parse(name)
     first = _first_ops(variant, tmp_path, ("LDG.E.CONSTANT", "ACQBULK"))
     assert first["LDG.E.CONSTANT"] < first["ACQBULK"], first

@@ -31,8 +31,14 @@ import torch  # noqa: E402
 
 import kdagen.compile as kcompile  # noqa: E402
 import kdagen.render as krender  # noqa: E402
-from kdagen.bench import copy_bandwidth, floor_us, time_graph, verify_launch, verify_sets  # noqa: E402
-from kdagen.bench import quantiles_text as _stats  # noqa: E402
+from kdagen.bench import (  # noqa: E402
+    copy_bandwidth,
+    floor_us,
+    quantiles_text,
+    time_graph,
+    verify_launch,
+    verify_sets,
+)
 from kdagen.render import BOUNDS, TRACE_HEADER, TRACE_SLOTS, RenderOptions  # noqa: E402
 from kdagen.serve.variant import Variant  # noqa: E402
 
@@ -63,24 +69,28 @@ def summarise(records: torch.Tensor, ctas: int, period_us: float, floor: float) 
         f"span (first entry -> last exit) {max(exits):.2f} us"
     )
     print("  (min / median / p90 / max, us from the first CTA's entry)")
-    print(f"  entry                 {_stats([us(r[0]) for r in rows])}")
-    print(f"  griddepcontrol.wait   {_stats([us(r[1]) for r in rows])}")
+    print(f"  entry                 {quantiles_text([us(r[0]) for r in rows])}")
+    print(f"  griddepcontrol.wait   {quantiles_text([us(r[1]) for r in rows])}")
     for label, field in (("meta arrived", 8), ("window issued", 9)):
         if any(r[field] for r in rows):
-            print(f"  {label:<21} {_stats([us(r[field]) for r in rows if r[field]])}")
-    print(f"  first loop top        {_stats([us(c[0][0]) for c in units if c])}")
+            print(f"  {label:<21} {quantiles_text([us(r[field]) for r in rows if r[field]])}")
+    print(f"  first loop top        {quantiles_text([us(c[0][0]) for c in units if c])}")
     working = [r for r, c in zip(rows, units, strict=True) if c]  # CTAs with a first unit
     for label, field in (("norms barrier  ", 5), ("next loads out ", 7), ("coupling barr. ", 6)):
         if any(r[field] for r in working):  # recorded where the render has the stage
-            print(f"  first {label} {_stats([us(r[field]) for r in working])}")
-    print(f"  first state ready     {_stats([us(c[0][1]) for c in units if c and c[0][1]])}")
-    print(f"  first unit end        {_stats([us(c[0][3]) for c in units if c])}")
-    print(f"  last state ready      {_stats([us(c[-1][1]) for c in units if c and c[-1][1]])}")
-    print(f"  exit                  {_stats(exits)}")
+            print(f"  first {label} {quantiles_text([us(r[field]) for r in working])}")
+    print(
+        f"  first state ready     {quantiles_text([us(c[0][1]) for c in units if c and c[0][1]])}"
+    )
+    print(f"  first unit end        {quantiles_text([us(c[0][3]) for c in units if c])}")
+    print(
+        f"  last state ready      {quantiles_text([us(c[-1][1]) for c in units if c and c[-1][1]])}"
+    )
+    print(f"  exit                  {quantiles_text(exits)}")
     print(f"  units per CTA         {min(counts)} / {statistics.median(counts)} / {max(counts)}")
-    print(f"  unit period (end to end, us)        {_stats(steady)}")
-    print(f"  loop top -> state ready (us)        {_stats(waits)}")
-    print(f"  projections -> unit end (us)        {_stats(solve)}")
+    print(f"  unit period (end to end, us)        {quantiles_text(steady)}")
+    print(f"  loop top -> state ready (us)        {quantiles_text(waits)}")
+    print(f"  projections -> unit end (us)        {quantiles_text(solve)}")
     bins = [0] * (int(max(ready, default=0)) + 1)
     for t in ready:
         bins[int(t)] += 1

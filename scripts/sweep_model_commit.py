@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--space", default="commit.yaml", help="the commit space to sweep")
     parser.add_argument("--prefetch-state", action="store_true",
                         help="build with kdagen.render.COMMIT_STATE_PREFETCH on")  # fmt: skip
+    parser.add_argument("--balanced", type=int, default=0, metavar="RESIDENT",
+                        help="build the ring with kdagen.render.COMMIT_BALANCED_RESIDENT")  # fmt: skip
     parser.add_argument("--trace", action="store_true",
                         help="per-CTA timelines of the graph's last launch (traced builds)")  # fmt: skip
     parser.add_argument("--lead-us", default="",
@@ -175,6 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.prefetch_state:
         krender.COMMIT_STATE_PREFETCH = True  # before anything renders
+    krender.COMMIT_BALANCED_RESIDENT = args.balanced
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     build = "-noprefix" if args.no_prefix_caching else ""

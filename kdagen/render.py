@@ -190,7 +190,7 @@ STAGED_WINDOW_FROM = 9
 STAGED_WINDOW_CONV = False
 
 
-def _balanced_ctas(variant: Variant) -> int:
+def balanced_resident(variant: Variant) -> int:
     """COMMIT_BALANCED_RESIDENT for the ring commit of whole heads (no trees: one history path
     a head), else 0."""
     ring = variant.kernel == "commit" and variant.path == "bulk_ring"
@@ -245,10 +245,8 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["prefetch_state"] = (
             COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
         )
-        balanced = _balanced_ctas(variant)
+        balanced = balanced_resident(variant)
         context["balanced"] = balanced
-        if balanced and options.trace_records:
-            raise ValueError(f"{variant.name}: COMMIT_BALANCED_RESIDENT builds are not traced")
         # The balanced ring reads each head's gate weights in its loop (after the wait).
         context["gates_early"] = (COMMIT_EARLY_READS or balanced > 0) and _cuda_core_commit(variant)
         # Not the ring: there the records-first order lost the gate weights' gain at B = 1,

@@ -442,30 +442,6 @@ def test_a_commit_reads_its_gates_and_records_early(
     assert "load_weight(" not in krender.render(mma)
 
 
-def test_the_balanced_ring_shares_pieces_over_a_fixed_grid(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_renders
-) -> None:
-    """With COMMIT_BALANCED_RESIDENT (off in the product until a GPU has checked and timed it)
-    the ring launches RESIDENT CTAs an SM of a 132-SM GPU, capped to fit, each looping over its
-    share of the heads' pieces; the one-CTA-a-head helpers are not rendered. Off, and for the
-    other commit paths, the render is the one-CTA-a-head kernel."""
-    ring = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
-    bulk = Variant.parse("commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl")
-    before = krender.render(ring), krender.render(bulk)
-    assert "grid=(CTAS, 1, 1)" not in before[0]
-    monkeypatch.setattr(krender, "COMMIT_BALANCED_RESIDENT", 7)
-    krender.render.cache_clear()
-    source = krender.render(ring)
-    assert "RESIDENT = 7" in source and "grid=(CTAS, 1, 1)" in source
-    assert "def copy_piece_to(" in source and "def next_piece(" not in source
-    assert krender.render(bulk) == before[1]
-    for arch in ring.spec.archs:
-        record = kcompile.compile_variant(ring, arch, tmp_path)
-        assert record.ok, record.error
-        # 7 CTAs of 128 threads an SM: at most 72 registers (65,536 / 896, in steps of 8).
-        assert 0 < record.registers <= 72, (arch, record.registers)
-
-
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
 @pytest.mark.parametrize(
     "switched_on", ["VERIFY_ROW_BOUNDS+VERIFY_STATE_AFTER_WAIT"], indirect=True

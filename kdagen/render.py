@@ -139,6 +139,16 @@ SOFTPLUS_ONE_TILE = False
 # must not write.
 COMMIT_STATE_PREFETCH = False
 
+# The ring commit (path bulk_ring, whole heads, never prefix caching) on a grid of
+# COMMIT_BALANCED_RESIDENT CTAs an SM of a 132-SM GPU (or a CTA a head, where the launch has
+# more heads) that share the state pieces of every (layer, request, head) evenly: at most one
+# head's worth each, so a CTA touches at most two heads and copies both heads' records at its
+# start, and its ring of 3 pieces runs on from one head to the next; 0 renders one CTA a head.
+# At batch 1 a model step's whole-head CTAs (828 for Kimi-K3 at H 12) are placed 7 an SM on
+# most SMs under PDL, and those SMs set the kernel's end; at 7 an SM every SM folds 6.27
+# heads' rows. Not run on a GPU: for scripts/sweep_model_commit.py --balanced.
+COMMIT_BALANCED_RESIDENT = 0
+
 # The commit kernels that fold on the CUDA cores (paths bulk and bulk_ring) shorten the chain of
 # reads before their factors, which at batch 1 (one wave) is the kernel's critical path: they
 # read their gate weights (a_log, dt_bias: never written while serving) before
@@ -180,6 +190,13 @@ STAGED_WINDOW_FROM = 9
 # at B = 1 (docs/history/trees.md). All 386 passed `kdagen check` at the render the H200 table
 # lands with (on an H100); off until that table, tuned with it on, lands.
 STAGED_WINDOW_CONV = False
+
+
+def balanced_resident(variant: Variant) -> int:
+    """COMMIT_BALANCED_RESIDENT for the ring commit of whole heads (no trees: one history path
+    a head), else 0."""
+    ring = variant.kernel == "commit" and variant.path == "bulk_ring"
+    return COMMIT_BALANCED_RESIDENT if ring and variant.row_split == 1 and not variant.tree else 0
 
 
 def rebase_on_demand(variant: Variant) -> bool:
@@ -230,7 +247,10 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["prefetch_state"] = (
             COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
         )
-        context["gates_early"] = COMMIT_EARLY_READS and _cuda_core_commit(variant)
+        balanced = balanced_resident(variant)
+        context["balanced"] = balanced
+        # The balanced ring reads both its heads' gate weights before the wait.
+        context["gates_early"] = (COMMIT_EARLY_READS or balanced > 0) and _cuda_core_commit(variant)
         # Not the ring: there the records-first order lost the gate weights' gain at B = 1,
         # while the bulk path gained 6 % with it (H100; docs/history/model-commit.md).
         context["records_first"] = (

@@ -139,6 +139,13 @@ SOFTPLUS_ONE_TILE = False
 # must not write.
 COMMIT_STATE_PREFETCH = False
 
+# The ring commit (path bulk_ring, one CTA a head, PDL) issues its first RING state pieces'
+# copies before griddepcontrol.wait, under the kernel launched before, which must not write
+# the state, the layer table or the slots (as for COMMIT_STATE_PREFETCH): at batch 1 the
+# pieces follow the wait by two global round trips (the slot, then the copies' issue) and
+# queue in HBM behind every CTA's. Not run on a GPU: for scripts/sweep_model_commit.py.
+COMMIT_PIECES_EARLY = False
+
 # The ring commit (path bulk_ring, whole heads, never prefix caching) on a grid of
 # COMMIT_BALANCED_RESIDENT CTAs an SM of a 132-SM GPU (or a CTA a head, where the launch has
 # more heads) that share the state pieces of every (layer, request, head) evenly: at most one
@@ -249,6 +256,9 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         )
         balanced = balanced_resident(variant)
         context["balanced"] = balanced
+        context["pieces_early"] = (
+            COMMIT_PIECES_EARLY and variant.pdl and variant.path == "bulk_ring" and not balanced
+        )
         # The balanced ring reads both its heads' gate weights before the wait.
         context["gates_early"] = (COMMIT_EARLY_READS or balanced > 0) and _cuda_core_commit(variant)
         # Not the ring: there the records-first order lost the gate weights' gain at B = 1,

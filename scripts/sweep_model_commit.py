@@ -12,11 +12,13 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
                                          [--batches 1,16,64,256] [--top 4] [--match S]
                                          [--no-prefix-caching] [--bound no-fold]
                                          [--prefetch-state] [--lead-us 3,6] [--space FILE]
-                                         [--trace]
+                                         [--trace] [--pieces-early] [--balanced R]
 
 ``--prefetch-state`` builds every kernel with ``kdagen.render.COMMIT_STATE_PREFETCH`` on (each
 PDL commit fetches its state into L2 before griddepcontrol.wait); run the sweep once without and
-once with it, back to back.
+once with it, back to back. ``--pieces-early`` builds with ``COMMIT_PIECES_EARLY`` (the PDL
+ring's first pieces copied before the wait), ``--balanced R`` with ``COMMIT_BALANCED_RESIDENT = R``
+(the ring on R x 132 CTAs sharing every head's pieces).
 
 ``--lead-us X,Y`` puts a kernel of about X us before every commit (one warp an SM spinning on
 the global timer, which lets the commit start at once under PDL) and prints each variant's
@@ -177,6 +179,8 @@ def main() -> None:
     parser.add_argument("--space", default="commit.yaml", help="the commit space to sweep")
     parser.add_argument("--prefetch-state", action="store_true",
                         help="build with kdagen.render.COMMIT_STATE_PREFETCH on")  # fmt: skip
+    parser.add_argument("--pieces-early", action="store_true",
+                        help="build with kdagen.render.COMMIT_PIECES_EARLY on")  # fmt: skip
     parser.add_argument("--balanced", type=int, default=0, metavar="RESIDENT",
                         help="build the ring with kdagen.render.COMMIT_BALANCED_RESIDENT")  # fmt: skip
     parser.add_argument("--trace", action="store_true",
@@ -186,6 +190,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.prefetch_state:
         krender.COMMIT_STATE_PREFETCH = True  # before anything renders
+    if args.pieces_early:
+        krender.COMMIT_PIECES_EARLY = True
     if args.balanced:
         krender.COMMIT_BALANCED_RESIDENT = args.balanced
     bw = bench.copy_bandwidth()

@@ -442,6 +442,25 @@ def test_a_commit_reads_its_gates_and_records_early(
     assert "load_weight(" not in krender.render(mma)
 
 
+@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize(
+    "switched_on", ["COMMIT_PIECES_EARLY", "COMMIT_PIECES_EARLY+COMMIT_EARLY_READS"], indirect=True
+)
+def test_the_ring_copies_its_first_pieces_before_the_wait(tmp_path: Path, switched_on) -> None:
+    """Switched on (until a GPU has measured it), the PDL ring issues its first RING pieces'
+    bulk copies before griddepcontrol.wait (after the early gate weights, which stay before
+    it); the ring without PDL and the bulk path render as before."""
+    ring = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
+    ops = ("UBLKCP", "ACQBULK") + (("LDG.E.CONSTANT",) if krender.COMMIT_EARLY_READS else ())
+    first = _first_ops(ring, tmp_path, ops)
+    assert first.get("LDG.E.CONSTANT", -1) < first["UBLKCP"] < first["ACQBULK"], first
+    source = krender.render(ring)
+    assert source.index("self.copy_piece(") < source.index("cute.arch.griddepcontrol_wait()")
+    for other in (ring.replace(pdl=False),
+                  Variant.parse("commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl")):  # fmt: skip
+        assert "The ring's first pieces under" not in krender.render(other)
+
+
 def test_the_balanced_ring_shares_pieces_over_a_fixed_grid(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_renders
 ) -> None:

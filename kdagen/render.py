@@ -143,18 +143,10 @@ COMMIT_STATE_PREFETCH = False
 # copies before griddepcontrol.wait, under the kernel launched before, which must not write
 # the state, the layer table or the slots (as for COMMIT_STATE_PREFETCH): at batch 1 the
 # pieces follow the wait by two global round trips (the slot, then the copies' issue) and
-# queue in HBM behind every CTA's. Not run on a GPU: for scripts/sweep_model_commit.py.
+# queue in HBM behind every CTA's. H100, with COMMIT_EARLY_READS: 0.98x at B = 1, 1.00x at
+# B = 16; all 112 ring variants pass `kdagen check` with both. Off until the H200 commit studies
+# are re-timed with it (docs/history/model-commit.md).
 COMMIT_PIECES_EARLY = False
-
-# The ring commit (path bulk_ring, whole heads, never prefix caching) on a grid of
-# COMMIT_BALANCED_RESIDENT CTAs an SM of a 132-SM GPU (or a CTA a head, where the launch has
-# more heads) that share the state pieces of every (layer, request, head) evenly: at most one
-# head's worth each, so a CTA touches at most two heads and copies both heads' records at its
-# start, and its ring of 3 pieces runs on from one head to the next; 0 renders one CTA a head.
-# At batch 1 a model step's whole-head CTAs (828 for Kimi-K3 at H 12) are placed 7 an SM on
-# most SMs under PDL, and those SMs set the kernel's end; at 7 an SM every SM folds 6.27
-# heads' rows. Not run on a GPU: for scripts/sweep_model_commit.py --balanced.
-COMMIT_BALANCED_RESIDENT = 0
 
 # The commit kernels that fold on the CUDA cores (paths bulk and bulk_ring) shorten the chain of
 # reads before their factors, which at batch 1 (one wave) is the kernel's critical path: they
@@ -197,13 +189,6 @@ STAGED_WINDOW_FROM = 9
 # at B = 1 (docs/history/trees.md). All 386 passed `kdagen check` at the render the H200 table
 # lands with (on an H100); off until that table, tuned with it on, lands.
 STAGED_WINDOW_CONV = False
-
-
-def balanced_resident(variant: Variant) -> int:
-    """COMMIT_BALANCED_RESIDENT for the ring commit of whole heads (no trees: one history path
-    a head), else 0."""
-    ring = variant.kernel == "commit" and variant.path == "bulk_ring"
-    return COMMIT_BALANCED_RESIDENT if ring and variant.row_split == 1 and not variant.tree else 0
 
 
 def rebase_on_demand(variant: Variant) -> bool:
@@ -254,13 +239,10 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
         context["prefetch_state"] = (
             COMMIT_STATE_PREFETCH and variant.pdl and variant.path != "bulk_ring"
         )
-        balanced = balanced_resident(variant)
-        context["balanced"] = balanced
         context["pieces_early"] = (
-            COMMIT_PIECES_EARLY and variant.pdl and variant.path == "bulk_ring" and not balanced
+            COMMIT_PIECES_EARLY and variant.pdl and variant.path == "bulk_ring"
         )
-        # The balanced ring reads both its heads' gate weights before the wait.
-        context["gates_early"] = (COMMIT_EARLY_READS or balanced > 0) and _cuda_core_commit(variant)
+        context["gates_early"] = COMMIT_EARLY_READS and _cuda_core_commit(variant)
         # Not the ring: there the records-first order lost the gate weights' gain at B = 1,
         # while the bulk path gained 6 % with it (H100; docs/history/model-commit.md).
         context["records_first"] = (

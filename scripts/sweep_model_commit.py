@@ -12,13 +12,12 @@ the plan, copies and stores alone; wrong outputs), in the compile cache beside t
                                          [--batches 1,16,64,256] [--top 4] [--match S]
                                          [--no-prefix-caching] [--bound no-fold]
                                          [--prefetch-state] [--lead-us 3,6] [--space FILE]
-                                         [--trace] [--pieces-early] [--balanced R]
+                                         [--trace] [--pieces-early]
 
 ``--prefetch-state`` builds every kernel with ``kdagen.render.COMMIT_STATE_PREFETCH`` on (each
 PDL commit fetches its state into L2 before griddepcontrol.wait); run the sweep once without and
 once with it, back to back. ``--pieces-early`` builds with ``COMMIT_PIECES_EARLY`` (the PDL
-ring's first pieces copied before the wait), ``--balanced R`` with ``COMMIT_BALANCED_RESIDENT = R``
-(the ring on R x 132 CTAs sharing every head's pieces).
+ring's first pieces copied before the wait).
 
 ``--lead-us X,Y`` puts a kernel of about X us before every commit (one warp an SM spinning on
 the global timer, which lets the commit start at once under PDL) and prints each variant's
@@ -54,7 +53,6 @@ import kdagen.render as krender
 from kdagen import bench, bench_model
 from kdagen.peers import vllm_commit
 from kdagen.serve.model_commit import ModelCommit
-from kdagen.serve.variant import Variant
 from kdagen.space import Space, name_matches
 
 
@@ -134,14 +132,6 @@ def summarise_trace(records: torch.Tensor, ctas: int) -> None:
         )
 
 
-def launched_ctas(variant: Variant, heads: int) -> int:
-    """The CTAs a launch of ``variant`` over ``heads`` (layer, request, head) items runs."""
-    resident = krender.balanced_resident(variant)
-    if resident:  # its grid: RESIDENT CTAs an SM of 132, at least a CTA a head, at most a piece
-        return max(heads, min(resident * 132, heads * 8))
-    return heads * variant.row_split
-
-
 def render_with(options: krender.RenderOptions) -> None:
     """Every kernel this process builds rendered with ``options`` (its digest differs from
     the product render's, so both builds keep their own cache entries)."""
@@ -181,8 +171,6 @@ def main() -> None:
                         help="build with kdagen.render.COMMIT_STATE_PREFETCH on")  # fmt: skip
     parser.add_argument("--pieces-early", action="store_true",
                         help="build with kdagen.render.COMMIT_PIECES_EARLY on")  # fmt: skip
-    parser.add_argument("--balanced", type=int, default=0, metavar="RESIDENT",
-                        help="build the ring with kdagen.render.COMMIT_BALANCED_RESIDENT")  # fmt: skip
     parser.add_argument("--trace", action="store_true",
                         help="per-CTA timelines of the graph's last launch (traced builds)")  # fmt: skip
     parser.add_argument("--lead-us", default="",
@@ -192,8 +180,6 @@ def main() -> None:
         krender.COMMIT_STATE_PREFETCH = True  # before anything renders
     if args.pieces_early:
         krender.COMMIT_PIECES_EARLY = True
-    if args.balanced:
-        krender.COMMIT_BALANCED_RESIDENT = args.balanced
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     build = "-noprefix" if args.no_prefix_caching else ""
@@ -202,8 +188,8 @@ def main() -> None:
                   if v.contract_key == key and name_matches(v.name, args.match or None)]  # fmt: skip
     records = None
     if args.trace:  # one buffer for every launch: its address is built into the kernels
-        heads = args.layers * max(int(b) for b in args.batches.split(",")) * args.heads
-        ctas = max(launched_ctas(v, heads) for v in candidates)
+        ctas = args.layers * max(int(b) for b in args.batches.split(",")) * args.heads
+        ctas *= max(v.row_split for v in candidates)
         records = torch.zeros(ctas * krender.TRACE_SLOTS, dtype=torch.int64, device="cuda")
     if args.bound or args.trace:
         render_with(krender.RenderOptions(records.data_ptr() if args.trace else 0, args.bound))
@@ -242,7 +228,7 @@ def main() -> None:
             records.zero_()
             time_variant(sets, with_conv, variant)
             print(f"   trace of {name}:")
-            summarise_trace(records, launched_ctas(variant, args.layers * batch * args.heads))
+            summarise_trace(records, args.layers * batch * args.heads * variant.row_split)
         for us in (float(x) for x in args.lead_us.split(",") if x):
             lead = lead_launch(us)
             alone = bench.time_graph([lead] * count).median_us

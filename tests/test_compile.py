@@ -461,34 +461,6 @@ def test_the_ring_copies_its_first_pieces_before_the_wait(tmp_path: Path, switch
         assert "The ring's first pieces under" not in krender.render(other)
 
 
-def test_the_balanced_ring_shares_pieces_over_a_fixed_grid(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_renders
-) -> None:
-    """With COMMIT_BALANCED_RESIDENT (off in the product until a GPU has checked and timed it)
-    the ring launches RESIDENT CTAs an SM of a 132-SM GPU (a CTA a head where there are more
-    heads), each taking at most one head's pieces from at most two heads, with a record barrier
-    and a kg buffer a head; the one-CTA-a-head helpers are not rendered. Off, and for the other
-    commit paths, the render is the one-CTA-a-head kernel."""
-    ring = Variant.parse("commit-h12-q8-noprefix-i32-bulk_ring-t128-v4-r1-f8-pdl")
-    bulk = Variant.parse("commit-h12-q8-noprefix-i32-bulk-t256-v4-r1-f8-pdl")
-    before = [krender.render(v) for v in (ring, bulk)]
-    assert "CTAS" not in before[0]
-    monkeypatch.setattr(krender, "COMMIT_BALANCED_RESIDENT", 7)
-    krender.render.cache_clear()
-    source = krender.render(ring)
-    assert "RESIDENT = 7" in source and "cutlass.min(CTAS, layers * batch * H * PIECES)" in source
-    assert "RING = 3" in source and "s_kg_pair" in source and "rows_full + 1" in source
-    assert "def copy_sequence_piece(" in source and "def next_piece(" not in source
-    assert krender.render(bulk) == before[1]
-    for arch in ring.spec.archs:
-        record = kcompile.compile_variant(ring, arch, tmp_path)
-        assert record.ok, record.error
-        # 7 CTAs of 128 threads an SM: at most 72 registers (65,536 / 896, in steps of 8), and
-        # 7 CTAs' shared memory with their 1 KiB reserve in 227 KiB.
-        assert 0 < record.registers <= 72, (arch, record.registers)
-        assert 7 * (record.launch_smem_bytes + 1024) <= 232_448, (arch, record.launch_smem_bytes)
-
-
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
 @pytest.mark.parametrize(
     "switched_on", ["VERIFY_ROW_BOUNDS+VERIFY_STATE_AFTER_WAIT"], indirect=True

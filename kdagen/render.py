@@ -203,24 +203,23 @@ def rebase_on_demand(variant: Variant) -> bool:
     return variant.gate == "softplus" and not variant.tree
 
 
-# The one-warpgroup Hopper verify kernels of 13-16 tokens with the bounded gate (64 probe
-# columns) write their probe and w tiles a channel row at a time (kdagen/dsl/probe_rows.py):
-# 16-byte stores instead of two-byte ones, the coupling MMAs reading them transposed, 3-9 %
-# fewer instructions. All 177 passed `kdagen check` at the render the H200 table lands with
-# (H100), and ran 0.95-0.97x at B = 1 there, within 1-3 % from B = 64 (docs/history/trees.md).
-# Off until the H200 verify studies are re-timed with it: it re-renders those 177.
+# The one-warpgroup Hopper verify kernels of 13-16 tokens (64 probe columns) write their probe
+# and w tiles a channel row at a time (kdagen/dsl/probe_rows.py): 16-byte stores instead of
+# two-byte ones, the coupling MMAs reading them transposed, fewer instructions. The bounded
+# gate's 177 passed `kdagen check` at the render the H200 table lands with (H100) and ran
+# 0.95-0.97x at B = 1 there, within 1-3 % from B = 64 (docs/history/trees.md). Off until the
+# H200 verify studies are re-timed with it: it re-renders those kernels.
 PROBE_ROWS = False
 
 
 def probe_rows(variant: Variant) -> bool:
-    """Whether the Hopper verify ``variant`` writes its probe tiles a channel row at a time
-    (PROBE_ROWS): 64 probe columns (13-16 tokens), the bounded gate (the softplus gate's far
-    band keeps the K-major tile), one warpgroup, whole items, not the three-CTA build."""
+    """Whether the Hopper verify ``variant`` writes its probe and w tiles a channel row at a
+    time (PROBE_ROWS): 64 probe columns (13-16 tokens), one warpgroup, whole items, not the
+    three-CTA build."""
     return (
         PROBE_ROWS
         and _sm90(variant)
         and 13 <= variant.window <= 16
-        and variant.gate == "kda"
         and variant.threads == 128
         and variant.row_split == 1
         and not three_ctas_wide(variant)

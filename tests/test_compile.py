@@ -605,20 +605,23 @@ def test_the_wide_conv_verify_stages_its_window_behind_its_switch(
 
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
 @pytest.mark.parametrize(
-    "name",
+    ("name", "wide_stores", "transposed_loads"),
     [
-        "verify-h12-q16-i32-sm90_wgmma-t128-r1-c264-s1-pdl",
-        "verify-h32-q13-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c264-s1-pdl",
+        ("verify-h12-q16-i32-sm90_wgmma-t128-r1-c264-s1-pdl", 8 + 8 + 4, 8 + 4),
+        ("verify-h32-q13-tree-conv-tm-bf16-i64-sm90_wgmma-t128-r1-c264-s1-pdl", 8 + 8 + 4, 8 + 4),
+        ("verify-h16-q14-softplus-tree-i64-sm90_wgmma-t128-r1-c264-s1-pdl", 2 * (8 + 8 + 4) - 8,
+         2 * (8 + 4)),
     ],
-)
+)  # fmt: skip
 def test_the_wide_verify_writes_its_probes_a_channel_row_at_a_time(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_renders
-) -> None:
-    """With render.PROBE_ROWS the bounded-gate kernels of 13-16 tokens write their probe and
-    w tiles a channel row at a time (16-byte stores, no two-byte ones) and the coupling MMAs
-    read them transposed: fewer instructions, no more registers, no stack, the same shared
-    memory. The softplus gate, the three-CTA build and the shorter windows keep the K-major
-    tiles."""
+    name: str, wide_stores: int, transposed_loads: int, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, fresh_renders,
+) -> None:  # fmt: skip
+    """With render.PROBE_ROWS the kernels of 13-16 tokens write their probe and w tiles a
+    channel row at a time (16-byte stores, no two-byte ones: the bounded gate's probes, rebased
+    probes and w; the softplus gate's probes, both bands' coupling probes and w) and the
+    coupling MMAs read them transposed: fewer instructions, no more registers, no stack, the
+    same shared memory. The three-CTA build and the shorter windows keep the K-major tiles."""
     variant = Variant.parse(name)
     monkeypatch.setattr(krender, "PROBE_ROWS", False)
     columns = _sass_lines(variant, tmp_path / "columns")
@@ -626,14 +629,14 @@ def test_the_wide_verify_writes_its_probes_a_channel_row_at_a_time(
     monkeypatch.setattr(krender, "PROBE_ROWS", True)
     krender.render.cache_clear()
     assert "store_ready_chunks(" in krender.render(variant)
-    for other in (variant.replace(window=12), variant.replace(gate="softplus"),
-                  variant.replace(ctas=396, conv=False, tree=False)):  # fmt: skip
+    for other in (variant.replace(window=12),
+                  variant.replace(gate="kda", ctas=396, conv=False, tree=False)):  # fmt: skip
         assert not krender.probe_rows(other), other.name
     rows = _sass_lines(variant, tmp_path / "rows")
     rows_record = kcompile.compile_variant(variant, "sm_90a", tmp_path / "rows")
     assert not any("STS.U16" in line for line in rows)
-    assert sum("STS.128" in line for line in rows) == 8 + 8 + 4  # probes, rebased probes, w
-    assert sum("LDSM.16.MT88.4" in line for line in rows) == 8 + 4
+    assert sum("STS.128" in line for line in rows) == wide_stores
+    assert sum("LDSM.16.MT88.4" in line for line in rows) == transposed_loads
     assert rows_record.frame_bytes <= columns_record.frame_bytes
     assert rows_record.registers <= columns_record.registers + 2
     assert rows_record.launch_smem_bytes == columns_record.launch_smem_bytes

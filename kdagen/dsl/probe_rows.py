@@ -22,7 +22,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 
-from kdagen.dsl.common import pack_f32_bf16x2, ptx_outputs, shared_address
+from kdagen.dsl.bands import HALF_MOVE
+from kdagen.dsl.common import mma_bf16_16816, pack_f32_bf16x2, ptx_outputs, shared_address
 
 ROW = 128  # bytes of a channel's row: 64 bf16 columns, 32 probes (hi, lo)
 CHUNK_PROBES = 4  # probes in a 16-byte chunk
@@ -159,3 +160,67 @@ def store_ready_w(row_at: Int32, values: list, window: int):
         first = t // 8 * 8
         row = values[first:] + [Float32(0)] * (first + 8 - len(values))
         store_w_row(row_at + Int32(t // 8 * W_TILE), row)
+
+
+@cute.jit
+def coupling_sums(w_stage: Int32, b_row: Int32, lane: Int32, cols: cutlass.Constexpr[int]) -> list:
+    """The coupling MMAs over this warp's 32 channels (mma.sync m16n8k16; A = the w tiles,
+    hi rows g and lo rows g + 8 of token 8 h + g; B = the probe tile whose row for this lane's
+    channel is at ``b_row``): entry 2 nt + h is lane 4g + t's w_(8h + g) . probe(4 nt + t).
+    Every fragment is loaded before the first MMA: for the compiler a store may alias the
+    tiles, so a load after one would wait for it."""
+    w_first = w_fragment_at(w_stage, lane)
+    a_frags = []  # tile h, k-step ks at 2 h + ks
+    for h in cutlass.range_constexpr(2):
+        for ks in cutlass.range_constexpr(2):
+            a_frags.append(transposed_w_fragments(w_first, h, ks))
+    b_frags = []
+    for nt in cutlass.range_constexpr(cols // 8):
+        b_frags.append(transposed_fragments(b_row, nt))
+    sums = []
+    for nt in cutlass.range_constexpr(cols // 8):
+        b = b_frags[nt]
+        for h in cutlass.range_constexpr(2):
+            d = mma_bf16_16816(a_frags[2 * h], (b[0], b[1]), (Float32(0),) * 4)
+            d = mma_bf16_16816(a_frags[2 * h + 1], (b[2], b[3]), d)
+            sums.append((d[0] + d[1]) + (d[2] + d[3]))
+    return sums
+
+
+@cute.jit
+def store_partials(
+    partial: cute.Tensor, warp: Int32, lane: Int32, sums: list, cols: cutlass.Constexpr[int],
+    add: cutlass.Constexpr[bool],
+):  # fmt: skip
+    """This warp's ``coupling_sums`` into its row of ``partial`` (entry 16 probe + token),
+    or added to what is there (``add``: the far band's pass)."""
+    g, t4 = lane // 4, lane % 4
+    for nt in cutlass.range_constexpr(cols // 8):
+        for h in cutlass.range_constexpr(2):
+            at = (4 * nt + t4) * 16 + 8 * h + g
+            if cutlass.const_expr(add):
+                partial[warp, at] = partial[warp, at] + sums[2 * nt + h]
+            else:
+                partial[warp, at] = sums[2 * nt + h]
+
+
+@cute.jit
+def store_far_band_rows(
+    nears: cute.Tensor, far_bits: Int32, qv: cute.Tensor, kv: cute.Tensor, couple_row: Int32,
+    w_row: Int32,
+):  # fmt: skip
+    """The softplus gate's far-band coupling operands (``kdagen.dsl.bands``) as channel rows:
+    a far token's probes and w, zero probes for a near token, whose far-band w is its near one
+    times 2^-184."""
+    window = nears.shape[0]
+    words, stored = probe_row(window)
+    w_values = []
+    for t in cutlass.range_constexpr(window):
+        far = ((far_bits >> t) & 1) != 0
+        near = cutlass.select_(far, nears[t], Float32(0))
+        words[t], words[window + t] = probe_word(near * kv[t]), probe_word(near * qv[t])
+        store_ready_chunks(couple_row, words, stored)
+        w = cute.arch.rcp_approx(nears[t])
+        w = cutlass.select_(far, w, w * Float32(1 / HALF_MOVE) * Float32(1 / HALF_MOVE))
+        w_values.append(w * kv[t])
+        store_ready_w(w_row, w_values, window)

@@ -52,7 +52,8 @@ def probe_word(value: Float32) -> Uint32:
 
 @cute.jit
 def store_chunk(row_at: Int32, j: cutlass.Constexpr[int], words: list):
-    """Chunk ``j`` (probes 4 j .. 4 j + 3) of this thread's row: one 16-byte store."""
+    """16-byte chunk ``j`` of this thread's row (a probe row's probes 4 j .. 4 j + 3, a w
+    row's hi or lo half): one store of 4 words."""
     cute.arch.inline_ptx(
         "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
         read_only_args=[row_at ^ Int32(16 * j), *words],
@@ -80,15 +81,22 @@ def store_ready_chunks(row_at: Int32, words: list, stored: list):
 
 
 @cute.jit
-def transposed_fragments(row_at: Int32, n_tile: cutlass.Constexpr[int]) -> tuple:
-    """The coupling MMAs' B fragments of columns 8 ``n_tile`` .. + 7 over this warp's 32
-    channels (``ldmatrix.x4.trans``; lane l gives its own channel's chunk): words 0, 1 for
-    channels 0..15 of the warp, 2, 3 for 16..31, as ``ldmatrix_x4`` reads the K-major tile."""
+def ldmatrix_x4_trans(address: Int32) -> tuple:
+    """Four 8 x 8 bf16 matrices, transposed (``ldmatrix.trans``): lanes 8j..8j+7 give the
+    row addresses of matrix j; lane l gets column l // 4, rows 2 (l % 4) and 2 (l % 4) + 1."""
     return cute.arch.inline_ptx(
         f"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{ptx_outputs(4)}}}, [{{$r0}}];",
         write_only_types=[Uint32] * 4,
-        read_only_args=[row_at ^ Int32(16 * n_tile)],
+        read_only_args=[address],
     )
+
+
+@cute.jit
+def transposed_fragments(row_at: Int32, n_tile: cutlass.Constexpr[int]) -> tuple:
+    """The coupling MMAs' B fragments of columns 8 ``n_tile`` .. + 7 over this warp's 32
+    channels (lane l gives its own channel's chunk): words 0, 1 for channels 0..15 of the
+    warp, 2, 3 for 16..31, as ``ldmatrix_x4`` reads the K-major tile."""
+    return ldmatrix_x4_trans(row_at ^ Int32(16 * n_tile))
 
 
 @cute.jit
@@ -121,11 +129,8 @@ def store_w_row(row_at: Int32, values: list):
         hi, lo = split_pair(values[2 * i], values[2 * i + 1])
         his.append(hi)
         los.append(lo)
-    for half, words in ((0, his), (1, los)):
-        cute.arch.inline_ptx(
-            "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-            read_only_args=[row_at ^ Int32(16 * half), *words],
-        )
+    store_chunk(row_at, 0, his)
+    store_chunk(row_at, 1, los)
 
 
 @cute.jit
@@ -142,13 +147,9 @@ def w_fragment_at(w_stage: Int32, lane: Int32) -> Int32:
 def transposed_w_fragments(
     first_at: Int32, tile: cutlass.Constexpr[int], k_step: cutlass.Constexpr[int]
 ) -> tuple:
-    """One mma.sync A fragment of w tile ``tile`` and k-step ``k_step`` (16 channels), by
-    ``ldmatrix.x4.trans`` from ``w_fragment_at``'s row."""
-    return cute.arch.inline_ptx(
-        f"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{ptx_outputs(4)}}}, [{{$r0}}];",
-        write_only_types=[Uint32] * 4,
-        read_only_args=[first_at + Int32(tile * W_TILE + k_step * 16 * W_ROW)],
-    )
+    """One mma.sync A fragment of w tile ``tile`` and k-step ``k_step`` (16 channels), from
+    ``w_fragment_at``'s row."""
+    return ldmatrix_x4_trans(first_at + Int32(tile * W_TILE + k_step * 16 * W_ROW))
 
 
 def store_ready_w(row_at: Int32, values: list, window: int):

@@ -5,8 +5,10 @@ of two (conv x layout, threads x window, row_split x stages, the tap dtype x win
 register budget). Compiling a subset in which every pair of values that occurs among a
 (kernel, path) group's variants occurs at least once therefore compiles every branch and every
 two-field interaction, at a size that grows with the product of the two largest value lists
-instead of the product of all. CI compiles this subset; ``kdagen check`` on the GPU host
-compiles and checks every variant.
+instead of the product of all. A field the templates only print as a constant (the head count:
+``H = 12``) opens no branch, so each of its values is compiled once, not once for every value
+of every other field. CI compiles this subset; ``kdagen check`` on the GPU host compiles and
+checks every variant.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from kdagen.serve.variant import CONTRACT_FIELDS, Variant
 Value = tuple[str, Any]  # (field, value)
 Pair = tuple[Value, Value]
 
+# Fields no template branch reads: a render differs from its sibling's only in the constant's
+# line and the docstring's contract (tests/test_coverage.py renders such siblings).
+CONSTANT_FIELDS = frozenset({"heads"})
+
 
 def template_fields(variant: Variant) -> tuple[str, ...]:
     """The fields its path's template reads: the contract and the path's tuning fields."""
@@ -28,14 +34,17 @@ def template_fields(variant: Variant) -> tuple[str, ...]:
 
 
 def value_pairs(variant: Variant) -> frozenset[Pair]:
-    """Every pair of (field, value) of the template's fields, in field order."""
+    """Every pair of (field, value) of the template's branching fields, in field order, and
+    each constant field's value paired with itself (it must occur once, with anything)."""
     values = [(name, getattr(variant, name)) for name in template_fields(variant)]
-    return frozenset(itertools.combinations(values, 2))
+    branching = [value for value in values if value[0] not in CONSTANT_FIELDS]
+    constants = [(value, value) for value in values if value[0] in CONSTANT_FIELDS]
+    return frozenset([*itertools.combinations(branching, 2), *constants])
 
 
 def pairwise_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()) -> list[Variant]:
     """``required`` plus a greedy pick from ``variants`` that covers, per (kernel, path), every
-    value pair occurring among the group's variants; sorted by name.
+    value pair (``value_pairs``) occurring among the group's variants; sorted by name.
 
     Greedy: repeatedly the variant covering the most uncovered pairs, the first by name on a
     tie, so the result depends only on the set of variants, not on their order.
@@ -50,16 +59,22 @@ def pairwise_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()
 
 
 def _greedy(group: list[Variant], picked: set[Variant]) -> list[Variant]:
-    """Variants of ``group`` (in ``_order``) that cover the pairs ``picked`` leaves uncovered."""
+    """Variants of ``group`` (in ``_order``) that cover the pairs ``picked`` leaves uncovered:
+    greedy picks, then the picks whose pairs the others hold dropped, latest first."""
     pairs = {v: value_pairs(v) for v in group}
     uncovered = set().union(*pairs.values())
     for v in picked & pairs.keys():
         uncovered -= pairs[v]
+    needed = set(uncovered)
     chosen: list[Variant] = []
     while uncovered:
         best = max(group, key=lambda v: len(pairs[v] & uncovered))  # max keeps the first
         chosen.append(best)
         uncovered -= pairs[best]
+    for v in reversed(list(chosen)):
+        others = set().union(*(pairs[u] for u in chosen if u is not v))
+        if needed <= others:
+            chosen.remove(v)
     return chosen
 
 

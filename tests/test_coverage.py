@@ -1,6 +1,7 @@
-"""The pairwise covering CI compiles (kdagen/coverage.py): every value pair that occurs among a
-(kernel, path) group's variants is in it, it is far smaller than the shipped spaces, it does
-not depend on the input order, and it stays small when the spaces grow."""
+"""The pairwise covering CI compiles (kdagen/coverage.py): every value pair of branching fields
+that occurs among a (kernel, path) group's variants is in it, and every value of a constant
+field; no template branch reads a constant field; the covering is far smaller than the shipped
+spaces, does not depend on the input order, and stays small when the spaces grow."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import fields
 
 import pytest
 
-from kdagen.coverage import pairwise_cover
+from kdagen.coverage import CONSTANT_FIELDS, pairwise_cover
+from kdagen.render import render
 from kdagen.serve import variant as variant_module
 from kdagen.serve.variant import CONTRACT_FIELDS, Variant
 from kdagen.space import default_variants
@@ -30,10 +32,15 @@ def _pairs(group: list[Variant], a: str, b: str) -> set[tuple]:
     return {(getattr(v, a), getattr(v, b)) for v in group}
 
 
-def _field_pairs(group: list[Variant]) -> list[tuple[str, str]]:
-    """Pairs of the fields the group's template reads, from the dataclass's field list."""
+def _read_fields(group: list[Variant]) -> list[str]:
+    """The fields the group's template reads, in the dataclass's field order."""
     read = set(CONTRACT_FIELDS) | set(group[0].spec.tuning)
-    names = [f.name for f in fields(Variant) if f.name in read]
+    return [f.name for f in fields(Variant) if f.name in read]
+
+
+def _field_pairs(group: list[Variant]) -> list[tuple[str, str]]:
+    """Pairs of the branching fields the group's template reads."""
+    names = [name for name in _read_fields(group) if name not in CONSTANT_FIELDS]
     return list(itertools.combinations(names, 2))
 
 
@@ -43,12 +50,18 @@ def _assert_pairwise(variants: list[Variant], cover: list[Variant]) -> None:
         for a, b in _field_pairs(group):
             missing = _pairs(group, a, b) - _pairs(chosen[key], a, b)
             assert not missing, (key, a, b, sorted(missing, key=repr)[:3])
+        for name in set(_read_fields(group)) & CONSTANT_FIELDS:
+            missing = _pairs(group, name, name) - _pairs(chosen[key], name, name)
+            assert not missing, (key, name, sorted(missing)[:3])
 
 
 def _lower_bound(group: list[Variant]) -> int:
-    """Each variant holds one value pair of two given fields: a covering needs at least as
-    many variants as the most varied field pair has pairs."""
-    return max(len(_pairs(group, a, b)) for a, b in _field_pairs(group))
+    """Each variant holds one value pair of two given fields and one value of a constant
+    field: a covering needs at least as many variants as the most varied field pair has pairs,
+    or a constant field values."""
+    constants = set(_read_fields(group)) & CONSTANT_FIELDS
+    return max([len(_pairs(group, a, b)) for a, b in _field_pairs(group)]
+               + [len(_pairs(group, name, name)) for name in constants])  # fmt: skip
 
 
 def _builds(variants: list[Variant]) -> int:
@@ -64,9 +77,23 @@ def test_the_shipped_covering_holds_every_pair_and_is_small() -> None:
     assert _builds(cover) * 10 < _builds(SHIPPED)
 
 
+def test_no_template_branch_reads_the_head_count() -> None:
+    """Each covered variant rendered again with 7 heads (a count no space ships, so that no
+    branch can single it out) differs from its own render only in the constant's line, once
+    the name and the docstring's contract are read back: which is why a constant field
+    (kdagen.coverage.CONSTANT_FIELDS) needs each value compiled once, not in pairs."""
+    assert {"heads"} == CONSTANT_FIELDS
+    for variant in pairwise_cover(SHIPPED):
+        sibling = variant.replace(heads=7)
+        text = render(sibling).replace(sibling.name, variant.name)
+        text = text.replace("heads=7,", f"heads={variant.heads},")
+        lines = set(render(variant).splitlines()) ^ set(text.splitlines())
+        assert lines == {f"H = {variant.heads}  # heads", "H = 7  # heads"}, variant.name
+
+
 def test_the_covering_is_near_its_lower_bound_per_path() -> None:
-    """Greedy stays within 1.25x of the bound on the shipped spaces (measured: 15/12, 27/24,
-    24/24): the covering grows with the two largest value lists, not their product."""
+    """Greedy stays within 1.25x of the bound on the shipped spaces: the covering grows with
+    the two largest value lists of branching fields, not their product."""
     chosen = _groups(pairwise_cover(SHIPPED))
     for key, group in _groups(SHIPPED).items():
         assert len(chosen[key]) <= 1.25 * _lower_bound(group), key
@@ -82,10 +109,11 @@ def test_the_covering_does_not_depend_on_the_input_order() -> None:
 
 
 def test_a_rare_pair_is_covered() -> None:
-    """H = 96 and Q = 8 each occur often, together once: only a pairwise covering (not one of
-    single values) must take that variant."""
-    rare = Variant(kernel="commit", heads=96, window=8, slot_dtype="int64", threads=256, vec=4)
-    commit = [v for v in SHIPPED if v.kernel == "commit" and (v.heads, v.window) != (96, 8)]
+    """Q = 8 and a row split of 4 each occur often, together once: only a pairwise covering
+    (not one of single values) must take that variant."""
+    rare = Variant(kernel="commit", heads=96, window=8, slot_dtype="int64", threads=256, vec=4,
+                   row_split=4)  # fmt: skip
+    commit = [v for v in SHIPPED if v.kernel == "commit" and (v.window, v.row_split) != (8, 4)]
     cover = pairwise_cover([*commit, rare])
     assert rare in cover
     _assert_pairwise([*commit, rare], cover)
@@ -104,7 +132,7 @@ def test_growing_spaces_keep_the_covering_small(
 ) -> None:
     """A second gate doubles every verify and commit key (simulated: the field's choices are
     patched for this test only); more head counts multiply them again. The covering grows
-    with the largest pair of value lists (heads x window), not with the space."""
+    with the largest pair of branching value lists (window x row split), not with the space."""
     monkeypatch.setitem(variant_module._CHOICES, "gate", ("kda", "softplus"))
     # (the softplus gate stops at 8 tokens)
     grown = SHIPPED + [v.replace(gate="softplus") for v in SHIPPED if v.window <= 8]

@@ -27,6 +27,7 @@ app = typer.Typer(
     help="Generate, compile, check and time KDA speculative verify/commit kernels (CuTe DSL).",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode="markdown",  # docstring lines wrapped in the source join into paragraphs
 )
 
 SPACE_HELP = "search-space YAML (a path, or a name in search_spaces/); default: every shipped space"
@@ -194,7 +195,7 @@ def check(
     ),
     resume: list[Path] = typer.Option(
         None,
-        help="--json files of earlier checks, or tuned folders (generated/<gpu>/: the tuner "
+        help="--json files of earlier checks, or tuned folders (`generated/<gpu>/`: the tuner "
         "checks what it times): skip the variants that passed there and still render to the "
         "same kernel (a check cut short by a time limit goes on; a variant that failed in any "
         "--json file runs again)",

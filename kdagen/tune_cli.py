@@ -32,7 +32,7 @@ def tune(
         help="Optuna storage URL that tune processes on several GPUs or hosts share: "
         "sqlite:///PATH, journal:///PATH (a journal file: one host, or a shared file system) or "
         "a database URL such as postgresql://user@host/db [default: "
-        "sqlite:///<out>/<gpu>/studies.db, kept packed beside it as studies.db.xz]",
+        "`sqlite:///<out>/<gpu>/studies.db`, kept packed beside it as studies.db.xz]",
     ),
     devices: str = typer.Option(
         "all",
@@ -45,7 +45,7 @@ def tune(
         "another process takes it over",
     ),
     out: Path = typer.Option(
-        None, help="output root; results go to <out>/<gpu-fingerprint>/ [default: generated/]"
+        None, help="output root; results go to `<out>/<gpu-fingerprint>/` [default: generated/]"
     ),
     match: str = typer.Option(None, help="only contract keys containing this (or one of a,b,...)"),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
@@ -56,12 +56,12 @@ def tune(
     seed: int = typer.Option(0, help="sampler seed (and check input seed)"),
     repick: Path = typer.Option(
         None,
-        help="a tuned folder (generated/<gpu>): pick its stored finals again under the current "
+        help="a tuned folder (`generated/<gpu>`): pick its stored finals again under the current "
         "rule and rewrite its outputs; no GPU, nothing re-timed",
     ),
     restamp: Path = typer.Option(
         None,
-        help="a tuned folder (generated/<gpu>): after a refactor, keep the studies whose "
+        help="a tuned folder (`generated/<gpu>`): after a refactor, keep the studies whose "
         "kernels compile to the machine code they measured and rewrite its outputs (planned "
         "from --space if given, else its last run's spaces; a carried kernel stays carried); "
         "no GPU, compiles only, refused if any kernel's code changed",
@@ -86,7 +86,7 @@ def tune(
     ),
 ) -> None:
     """Tune: an Optuna study per (contract key, batch bucket); dispatch table, winners and
-    report.md in <out>/<gpu-fingerprint>/. A killed run resumes where it stopped; after a
+    report.md in `<out>/<gpu-fingerprint>/`. A killed run resumes where it stopped; after a
     template edit only the studies whose kernels render differently are measured again.
     Studies are spread over the GPUs of --devices, and over every tune process given the same
     --storage (on this host or others): each study is measured once, and each process writes
@@ -116,7 +116,8 @@ def regenerate(
         Path("workloads.yaml"), help="workloads YAML (a path, or a name in search_spaces/)"
     ),
     out: Path = typer.Option(
-        None, help="tables root; this GPU's goes to <out>/<gpu-fingerprint>/ [default: generated/]"
+        None,
+        help="tables root; this GPU's goes to `<out>/<gpu-fingerprint>/` [default: generated/]",
     ),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
     rounds: int = typer.Option(5, min=1, help="interleaved re-timing rounds of the finalists"),
@@ -134,7 +135,7 @@ def regenerate(
 ) -> None:
     """What CI runs on a GPU runner: `kdagen doctor`; when this GPU's table is missing, stale
     or incomplete, `kdagen tune` (every point of each study, resuming the committed studies),
-    a check of every winner and <out>/<gpu>/regenerate.md (the pull request's body). Exit 0
+    a check of every winner and `<out>/<gpu>/regenerate.md` (the pull request's body). Exit 0
     when nothing failed, 1 when a winner failed its check."""
     from kdagen.regenerate import regenerate as run_regenerate
 

@@ -25,6 +25,17 @@ def test_help_lists_the_pipeline() -> None:
         assert command in result.output
 
 
+def test_help_rewraps_docstrings_and_keeps_placeholders() -> None:
+    """A docstring's source line breaks are not the help's (a wide terminal shows a summary on
+    one line), and ``<out>/<gpu>`` placeholders survive the markup."""
+    wide = runner.invoke(app, ["--help"], env={"COLUMNS": "300"})
+    assert wide.exit_code == 0
+    line = next(line for line in wide.output.splitlines() if " bench " in line)
+    assert "(cold L2, CUDA graphs, the method of docs/anchors.md)" in line, line
+    tune = runner.invoke(app, ["tune", "--help"], env={"COLUMNS": "300"})
+    assert "report.md in <out>/<gpu-fingerprint>/." in _flat(tune.output)
+
+
 def test_variants_prints_count_constraints_and_names() -> None:
     result = runner.invoke(app, ["variants", "--space", "commit.yaml"])
     assert result.exit_code == 0, result.output

@@ -1,4 +1,4 @@
-"""A pairwise covering of a variant list: few variants that still reach every template branch.
+"""A covering of a variant list: few variants that still reach every template branch.
 
 A template's branches depend on one field (conv, the slot dtype, PDL) or on the interaction
 of two (conv x layout, threads x window, row_split x stages, the tap dtype x window in the
@@ -7,19 +7,24 @@ register budget). Compiling a subset in which every pair of values that occurs a
 two-field interaction, at a size that grows with the product of the two largest value lists
 instead of the product of all. A field the templates only print as a constant (the head count:
 ``H = 12``) opens no branch, so each of its values is compiled once, not once for every value
-of every other field. CI compiles this subset; ``kdagen check`` on the GPU host compiles and
-checks every variant.
+of every other field. A branch whose condition spans three fields or more (the Hopper conv
+trees of 2-4 tokens: tree, conv and window) can still be missed by pairs, so ``branch_cover``
+adds a variant for every line shape of the renders that the pairs leave out. CI compiles that
+subset; ``kdagen check`` on the GPU host compiles and checks every variant.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from kdagen.render import render
 from kdagen.serve.variant import CONTRACT_FIELDS, Variant
 
+_NUMBER = re.compile(r"\d+")
 Value = tuple[str, Any]  # (field, value)
 Pair = tuple[Value, Value]
 
@@ -55,6 +60,31 @@ def pairwise_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()
         groups[(v.kernel, v.path)].append(v)
     for group in groups.values():
         picked.update(_greedy(group, picked))
+    return sorted(picked, key=_order)
+
+
+def line_shapes(variant: Variant) -> frozenset[str]:
+    """What the template's branches wrote for ``variant``: its render's lines with every
+    number as ``#``, less the docstring lines that name the variant and its contract."""
+    lines = (line.strip() for line in render(variant).splitlines())
+    return frozenset(_NUMBER.sub("#", line) for line in lines
+                     if variant.name not in line and not line.startswith("Contract:"))  # fmt: skip
+
+
+def branch_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()) -> list[Variant]:
+    """``pairwise_cover`` plus, greedily, variants whose renders hold the line shapes
+    (``line_shapes``) that no render of it holds; sorted by name. Renders every variant once
+    (a few seconds for the shipped spaces)."""
+    ordered = sorted(set(variants), key=_order)
+    picked = set(pairwise_cover(ordered, required))
+    reached = set().union(*map(line_shapes, picked))
+    missing = {v: line_shapes(v) - reached for v in ordered}
+    missing = {v: shapes for v, shapes in missing.items() if shapes}
+    uncovered = set().union(*missing.values())
+    while uncovered:
+        best = max(missing, key=lambda v: len(missing[v] & uncovered))  # the first on a tie
+        picked.add(best)
+        uncovered -= missing[best]
     return sorted(picked, key=_order)
 
 

@@ -30,11 +30,11 @@ SPACES = {"sm_90a": "verify_sm90.yaml", "sm_100a": "verify_sm100.yaml"}
 
 
 def names(arch: str) -> list[str]:
-    """The space's pairwise covering (what CI compiles), plus the table's winners on sm_90a."""
-    from kdagen.coverage import pairwise_cover
+    """The space's branch covering (what CI compiles), plus the table's winners on sm_90a."""
+    from kdagen.coverage import branch_cover
     from kdagen.space import Space
 
-    picked = [v.name for v in pairwise_cover(Space.load(SPACES[arch]).expand().variants)]
+    picked = [v.name for v in branch_cover(Space.load(SPACES[arch]).expand().variants)]
     if arch == "sm_90a":
         entries = json.loads(DISPATCH.read_text())["entries"]
         picked += sorted({e["variant"] for key in WINNER_KEYS for e in entries[key]})

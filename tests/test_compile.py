@@ -1,4 +1,4 @@
-"""GPU-less compile of the shipped variants' pairwise covering (tests/conftest.py) for both
+"""GPU-less compile of the shipped variants' branch covering (tests/conftest.py) for both
 archs, the cache, and failures."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The pairwise covering CI compiles (kdagen/coverage.py): every value pair of branching fields
-that occurs among a (kernel, path) group's variants is in it, and every value of a constant
-field; no template branch reads a constant field; the covering is far smaller than the shipped
-spaces, does not depend on the input order, and stays small when the spaces grow."""
+"""The covering CI compiles (kdagen/coverage.py): every value pair of branching fields that
+occurs among a (kernel, path) group's variants is in it, and every value of a constant field;
+no template branch reads a constant field; with the branches past pairs it reaches every line
+shape of the shipped renders; it is far smaller than the shipped spaces, does not depend on the
+input order, and stays small when the spaces grow."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import fields
 
 import pytest
 
-from kdagen.coverage import CONSTANT_FIELDS, pairwise_cover
+from kdagen.coverage import CONSTANT_FIELDS, line_shapes, pairwise_cover
 from kdagen.render import render
 from kdagen.serve import variant as variant_module
 from kdagen.serve.variant import CONTRACT_FIELDS, Variant
@@ -89,6 +90,25 @@ def test_no_template_branch_reads_the_head_count() -> None:
         text = text.replace("heads=7,", f"heads={variant.heads},")
         lines = set(render(variant).splitlines()) ^ set(text.splitlines())
         assert lines == {f"H = {variant.heads}  # heads", "H = 7  # heads"}, variant.name
+
+
+def test_the_compiled_covering_reaches_every_line_shape_of_the_renders(covered) -> None:
+    """CI's covering (tests/conftest.py) holds every line a shipped render holds, numbers
+    aside: the pairs and the branches past them. Among those, the Hopper conv trees of 2-4
+    tokens' convolution over root paths, whose condition spans three fields."""
+    reached = set().union(*map(line_shapes, covered))
+    shipped: set[str] = set().union(*map(line_shapes, SHIPPED))
+    assert shipped <= reached, sorted(shipped - reached)[:5]
+    assert any("conv_silu_tree(hist, raw, taps, links, lean=False)" in shape for shape in reached)
+    assert len(covered) < len(pairwise_cover(SHIPPED)) + 10
+
+
+def test_line_shapes_leave_out_numbers_and_the_docstring_names() -> None:
+    variant = Variant(kernel="commit", heads=12, window=8, threads=128, vec=8, row_split=1)
+    shapes = line_shapes(variant)
+    assert "H = #  # heads" in shapes
+    assert not [s for s in shapes if "commit-h" in s or s.startswith("Contract:")]
+    assert shapes == line_shapes(variant.replace(heads=96))
 
 
 def test_the_covering_is_near_its_lower_bound_per_path() -> None:

@@ -1,6 +1,6 @@
 """Rendering: every shipped variant renders to plain CuTe-DSL Python for its variant only.
 
-Every variant, not the pairwise covering the compile tests build (tests/conftest.py): a render
+Every variant, not the covering the compile tests build (tests/conftest.py): a render
 takes milliseconds and catches a Jinja error in any combination of branches."""
 
 from __future__ import annotations

@@ -7,9 +7,12 @@ register budget). Compiling a subset in which every pair of values that occurs a
 two-field interaction, at a size that grows with the product of the two largest value lists
 instead of the product of all. A field the templates only print as a constant (the head count:
 ``H = 12``) opens no branch, so each of its values is compiled once, not once for every value
-of every other field. A branch whose condition spans three fields or more (the Hopper conv
-trees of 2-4 tokens: tree, conv and window) can still be missed by pairs, so ``branch_cover``
-adds a variant for every line shape of the renders that the pairs leave out. CI compiles that
+of every other field. The render's derived switches (``render.template_flags``: lags from
+records, fp32 taps) are paired too, since the device helpers branch on them where no render
+line shows it. A branch whose condition spans three fields or more (the Hopper conv trees of
+2-4 tokens: tree, conv and window) can still be missed by pairs, so ``branch_cover`` adds a
+variant for every line shape of the renders that the pairs leave out
+(``scripts/helper_reach.py`` lists the helper lines its compiles never run). CI compiles that
 subset; ``kdagen check`` on the GPU host compiles and checks every variant.
 """
 
@@ -21,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from kdagen.render import render
+from kdagen.render import render, template_flags
 from kdagen.serve.variant import CONTRACT_FIELDS, Variant
 
 _NUMBER = re.compile(r"\d+")
@@ -39,12 +42,16 @@ def template_fields(variant: Variant) -> tuple[str, ...]:
 
 
 def value_pairs(variant: Variant) -> frozenset[Pair]:
-    """Every pair of (field, value) of the template's branching fields, in field order, and
-    each constant field's value paired with itself (it must occur once, with anything)."""
+    """Every pair of (field, value) of the template's branching fields, in field order, each
+    constant field's value paired with itself (it must occur once, with anything), and every
+    pair of the template's flags (``render.template_flags``: the helpers' branches on derived
+    switches, such as the conv trees' lags from records with bf16 taps)."""
     values = [(name, getattr(variant, name)) for name in template_fields(variant)]
     branching = [value for value in values if value[0] not in CONSTANT_FIELDS]
     constants = [(value, value) for value in values if value[0] in CONSTANT_FIELDS]
-    return frozenset([*itertools.combinations(branching, 2), *constants])
+    flags = sorted(template_flags(variant).items())
+    return frozenset([*itertools.combinations(branching, 2), *constants,
+                      *itertools.combinations(flags, 2)])  # fmt: skip
 
 
 def pairwise_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()) -> list[Variant]:

@@ -317,6 +317,12 @@ def _context(variant: Variant, options: RenderOptions) -> dict[str, object]:
     return context
 
 
+def template_flags(variant: Variant) -> dict[str, bool]:
+    """The yes / no switches the variant's template and the device helpers it calls branch on:
+    the render context's booleans (kdagen/coverage.py covers their pairs)."""
+    return {k: v for k, v in _context(variant, RenderOptions()).items() if isinstance(v, bool)}
+
+
 @functools.cache
 def render(variant: Variant, options: RenderOptions = RenderOptions()) -> str:
     """The variant's kernel module as Python source (``options``: a perf-work build)."""

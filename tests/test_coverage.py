@@ -14,7 +14,7 @@ from dataclasses import fields
 import pytest
 
 from kdagen.coverage import CONSTANT_FIELDS, line_shapes, pairwise_cover
-from kdagen.render import render
+from kdagen.render import render, template_flags
 from kdagen.serve import variant as variant_module
 from kdagen.serve.variant import CONTRACT_FIELDS, Variant
 from kdagen.space import default_variants
@@ -103,6 +103,24 @@ def test_the_compiled_covering_reaches_every_line_shape_of_the_renders(covered) 
     assert len(covered) < len(pairwise_cover(SHIPPED)) + 10
 
 
+def test_the_covering_pairs_the_template_flags() -> None:
+    """Every pair of template flags that a shipped variant sets is set by a covered one: the
+    device helpers' branches on derived switches, which no render line shows (found by
+    tracing the helpers' lines through the compiles: the conv trees' lags from records with
+    bf16 taps, the staged lags with fp32 taps)."""
+
+    def flag_pairs(variants: list[Variant]) -> set[tuple]:
+        return {pair for v in variants
+                for pair in itertools.combinations(sorted(template_flags(v).items()), 2)}  # fmt: skip
+
+    cover = pairwise_cover(SHIPPED)
+    missing = flag_pairs(SHIPPED) - flag_pairs(cover)
+    assert not missing, sorted(missing)[:3]
+    reached = flag_pairs(cover)
+    assert (("conv_f32", False), ("record_conv", True)) in reached
+    assert (("conv_f32", True), ("staged_conv", True)) in reached
+
+
 def test_line_shapes_leave_out_numbers_and_the_docstring_names() -> None:
     variant = Variant(kernel="commit", heads=12, window=8, threads=128, vec=8, row_split=1)
     shapes = line_shapes(variant)
@@ -112,11 +130,13 @@ def test_line_shapes_leave_out_numbers_and_the_docstring_names() -> None:
 
 
 def test_the_covering_is_near_its_lower_bound_per_path() -> None:
-    """Greedy stays within 1.25x of the bound on the shipped spaces: the covering grows with
-    the two largest value lists of branching fields, not their product."""
+    """Greedy stays within 1.5x of the fields' bound on the shipped spaces (measured: commit
+    50 / 48 and 6 / 6, verify 45 / 32 and 38 / 32: the template flags' pairs and the spaces'
+    constraints take the rest): the covering grows with the two largest value lists of
+    branching fields, not their product."""
     chosen = _groups(pairwise_cover(SHIPPED))
     for key, group in _groups(SHIPPED).items():
-        assert len(chosen[key]) <= 1.25 * _lower_bound(group), key
+        assert len(chosen[key]) <= 1.5 * _lower_bound(group), key
 
 
 def test_the_covering_does_not_depend_on_the_input_order() -> None:
@@ -164,4 +184,4 @@ def test_growing_spaces_keep_the_covering_small(
     assert {v.gate for v in cover} == {"kda", "softplus"}
     chosen = _groups(cover)
     for key, group in _groups(grown).items():
-        assert len(chosen[key]) <= 1.25 * _lower_bound(group), key
+        assert len(chosen[key]) <= 1.5 * _lower_bound(group), key

@@ -81,7 +81,8 @@ def variants(
 def render(
     variant: str = typer.Argument(..., help="a variant name, as `kdagen variants` prints"),
 ) -> None:
-    """Print the CuTe-DSL module a variant renders to."""
+    """Print the CuTe-DSL module a variant renders to: its docstring names the template that
+    produced it (under templates/), its imports the device helpers it calls (kdagen/dsl)."""
     from kdagen.render import render as render_source
 
     try:

@@ -100,7 +100,6 @@ def test_the_compiled_covering_reaches_every_line_shape_of_the_renders(covered) 
     shipped: set[str] = set().union(*map(line_shapes, SHIPPED))
     assert shipped <= reached, sorted(shipped - reached)[:5]
     assert any("conv_silu_tree(hist, raw, taps, links, lean=False)" in shape for shape in reached)
-    assert len(covered) < len(pairwise_cover(SHIPPED)) + 10
 
 
 def test_the_covering_pairs_the_template_flags() -> None:

@@ -80,8 +80,8 @@ def line_shapes(variant: Variant) -> frozenset[str]:
 
 def branch_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()) -> list[Variant]:
     """``pairwise_cover`` plus, greedily, variants whose renders hold the line shapes
-    (``line_shapes``) that no render of it holds; sorted by name. Renders every variant once
-    (a few seconds for the shipped spaces)."""
+    (``line_shapes``) that no render of the pairwise covering holds; sorted by name. Renders
+    every variant once (a few seconds for the shipped spaces)."""
     ordered = sorted(set(variants), key=_order)
     picked = set(pairwise_cover(ordered, required))
     reached = set().union(*map(line_shapes, picked))

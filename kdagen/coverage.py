@@ -85,7 +85,7 @@ def branch_cover(variants: Iterable[Variant], required: Iterable[Variant] = ()) 
     ordered = sorted(set(variants), key=_order)
     picked = set(pairwise_cover(ordered, required))
     reached = set().union(*map(line_shapes, picked))
-    missing = {v: line_shapes(v) - reached for v in ordered}
+    missing = {v: line_shapes(v) - reached for v in ordered if v not in picked}
     missing = {v: shapes for v, shapes in missing.items() if shapes}
     uncovered = set().union(*missing.values())
     while uncovered:

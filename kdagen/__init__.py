@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
+    if name == "ops":  # a module of its own, so that `import kdagen.ops` works as well
+        import importlib
+
+        return importlib.import_module("kdagen.ops")
     if name in serve.__all__:
         from kdagen import first_use
 

@@ -92,6 +92,25 @@ def test_the_import_linter_contract_is_kept() -> None:
     assert "1 kept, 0 broken" in done.stdout
 
 
+def test_import_kdagen_ops_registers_the_ops_with_kernels_compiled_on_first_use() -> None:
+    """README's ``kdagen.ops``: as an import of its own and as an attribute, one module."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        import kdagen.ops
+        import kdagen
+        from kdagen import first_use
+        from kdagen.serve import kernel_source
+        assert hasattr(torch.ops.kdagen, "verify") and hasattr(torch.ops.kdagen, "commit_layers")
+        assert isinstance(kernel_source.current(), first_use.FirstUse)
+        assert kdagen.ops is sys.modules["kdagen.ops"] and callable(kdagen.ops.register)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 class Recording:
     """A kernel source that hands out a marker and finds every table stale."""
 

@@ -555,10 +555,14 @@ def doctor(
     ),
     workloads: str = typer.Option("workloads.yaml", help="the workloads whose studies to check"),
     space: list[str] = typer.Option(None, "--space", "-s", help=SPACE_HELP),
+    all_: bool = typer.Option(
+        False, "--all", help="list every study that falls back (default: the first 20)"
+    ),
 ) -> None:
     """Which dispatch table serves a GPU (its own, or a same-architecture GPU's), whether it is
     fresh, and which (contract key, batch) studies fall back and to what. Exit 0: nothing to
-    re-tune; 1: served with fallbacks; 3: no table or a stale one (re-tune)."""
+    re-tune; 1: served, but from another GPU's table, with fallbacks or carried timings; 3: no
+    table or a stale one (re-tune)."""
     from kdagen.doctor import diagnose
 
     if fingerprint is None:
@@ -574,7 +578,7 @@ def doctor(
     except SpaceError as err:
         typer.echo(f"kdagen doctor: {err}", err=True)
         raise typer.Exit(2) from None
-    typer.echo("\n".join(found.lines()))
+    typer.echo("\n".join(found.lines(most=len(found.fallbacks) if all_ else 20)))
     raise typer.Exit(found.code)
 
 

@@ -65,13 +65,24 @@ class Diagnosis:
             out.append(f"    {key} b{batch}: {how}")
         if len(self.fallbacks) > most:
             out.append(f"    ... and {len(self.fallbacks) - most} more")
-        verdict = {SERVED: "nothing to re-tune", FALLS_BACK: "served with fallbacks: tune the "
-                   "missing studies", UNSERVED: "re-tune: `kdagen tune`"}  # fmt: skip
+        verdict = {SERVED: "nothing to re-tune", FALLS_BACK: self._served_how(),
+                   UNSERVED: "re-tune: `kdagen tune`"}  # fmt: skip
         if self.stale and not self.borrowed_from:  # this GPU's own studies can be re-timed
             verdict[UNSERVED] += (" (`--refresh`: each study whose kernels changed times "
                                   "again only its leaders)")  # fmt: skip
         out.append(f"exit {self.code}: {verdict[self.code]}")
         return out
+
+    def _served_how(self) -> str:
+        """Why a served GPU exits FALLS_BACK: each reason there is, with what to do."""
+        reasons = []
+        if self.borrowed_from:
+            reasons.append("another GPU's table (`kdagen tune` on this GPU makes its own)")
+        if self.fallbacks:
+            reasons.append(f"{len(self.fallbacks)} studies fall back (tune them)")
+        if self.carried:
+            reasons.append(f"{', '.join(sorted(self.carried))} carried (a re-tune re-times it)")
+        return "served, but: " + "; ".join(reasons)
 
 
 def diagnose(

@@ -89,6 +89,7 @@ def test_doctor_reports_a_carried_kernel_and_asks_for_a_re_tune(
     assert any(line == f"  verify: carried: timings measured before the rows cut to their "
                f"tensors (its cost: {evidence.as_posix()}); re-tune to re-time"
                for line in found.lines())  # fmt: skip
+    assert found.lines()[-1] == "exit 1: served, but: verify carried (a re-tune re-times it)"
 
 
 def test_a_second_carry_keeps_the_render_the_timings_were_measured_on(

@@ -75,6 +75,10 @@ def test_the_shipped_workloads_over_every_shipped_space_need_only_the_wide_commi
         args += ["--space", space]
     result = runner.invoke(app, args)
     assert result.exit_code == 1 and "40 fall back" in result.output, result.output
+    assert "exit 1: served, but: 40 studies fall back (tune them)" in result.output
+    assert "... and 20 more" in result.output  # the first 20 listed; --all lists every one
+    listed = runner.invoke(app, [*args, "--all"]).output
+    assert "more" not in listed and len(re.findall(r"\n    commit-\S+ b\d+: ", listed)) == 40
     found = diagnose(H200, "workloads.yaml", DEFAULT_SPACES, generated)
     assert len(found.fallbacks) == 40
     for key, _, why in found.fallbacks:
@@ -111,6 +115,7 @@ def test_same_architecture_gpu_borrows_the_table(generated: Path, workloads: Pat
     code, out = doctor(H100, workloads)
     assert code == 1, out
     assert f"{H100}: served by {generated / H200} (borrowed from {H200}" in out
+    assert "exit 1: served, but: another GPU's table (`kdagen tune` on this GPU" in out
     assert dispatch.table_folder_for(H100) == (generated / H200, H200)
     # The run-time lookup does the same, with one warning naming the table.
     with warnings.catch_warnings(record=True) as seen:

@@ -578,10 +578,15 @@ def repick(folder: Path) -> TuneResult:
     started = time.time()
     table, last_run = _tuned_folder(folder)
     device = table["device"] | {"fingerprint": table["fingerprint"]}
+    spaces = tuple(last_run.get("spaces") or DEFAULT_SPACES)
     with folder_lock(folder):
         storage = open_storage(folder_url(folder))
         stamp = make_stamp(device["fingerprint"], list(PATHS))
         studies = fresh_studies(storage, stamp)
+        planned = _planned(spaces, last_run, device["arch"])
+        stale = stale_studies(storage, {n: p.space_hash for n, p in planned.items()}, stamp)
+        kept, carried = _carried_studies(folder, storage, planned, stale, stamp)
+        studies += [optuna.load_study(study_name=n, storage=storage) for n in kept]
         stored = [s for s in storage.get_all_studies() if not is_claim(s.study_name)]
         unusable = len(stored) - len(studies)
         if unusable:
@@ -599,10 +604,9 @@ def repick(folder: Path) -> TuneResult:
         for study in studies:
             _pick_under_current_rule(study)
         results = [report.result_of(s) for s in studies]
-        spaces = tuple(last_run.get("spaces") or DEFAULT_SPACES)
         report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
                          {"repick": True, "spaces": list(spaces)},
-                         space_points(spaces, device["arch"]))  # fmt: skip
+                         space_points(spaces, device["arch"]), carried)  # fmt: skip
         pack_folder(folder)
     return TuneResult(folder, results, [], time.time() - started, bool(device.get("simulated")))
 
@@ -623,18 +627,12 @@ def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
     table, last_run = _tuned_folder(folder)
     device = table["device"] | {"fingerprint": table["fingerprint"]}
     spaces = tuple(spaces or last_run.get("spaces") or DEFAULT_SPACES)
-    plans, _ = plan_studies(spaces, last_run.get("workloads") or "workloads.yaml", device["arch"])
-    planned = {p.study_name(b): p for p in plans for b in p.batches}
-    # A carry covers the render it measured: one more change since is not carried.
-    loaded = load_table(folder)
-    carried = {k: record for k, record in loaded.carried.items() if staleness(loaded, k) is None}
+    planned = _planned(spaces, last_run, device["arch"])
     with folder_lock(folder):
         storage = open_storage(folder_url(folder))
         stamp = make_stamp(device["fingerprint"], list(PATHS))
         stale = stale_studies(storage, {n: p.space_hash for n, p in planned.items()}, stamp)
-        attrs = stored_attrs(storage, list(stale))
-        kept_carried = [n for n in stale if planned[n].kernel in carried
-                        and render_changed_only(attrs[n], planned[n].space_hash, stamp)]  # fmt: skip
+        kept_carried, carried = _carried_studies(folder, storage, planned, stale, stamp)
         to_compile = [n for n in stale if n not in kept_carried]
         echo(f"{len(stale)} of {len(planned)} studies render differently ({len(kept_carried)} "
              f"of a carried kernel, kept as measured); compiling {len(to_compile)}")  # fmt: skip
@@ -660,11 +658,34 @@ def restamp(folder: Path, jobs: int = 0, echo: Callable[[str], None] = print,
         results = [report.result_of(s) for s in studies]
         report.write_all(folder, results, stamp.as_dict(), device, time.time() - started,
                          {"restamp": True, "spaces": list(spaces)},
-                         space_points(spaces, device["arch"]),
-                         {k: carried[k] for k in {planned[n].kernel for n in kept_carried}})  # fmt: skip
+                         space_points(spaces, device["arch"]), carried)  # fmt: skip
         pack_folder(folder)
     return TuneResult(folder, results, [f"re-stamped {len(to_compile)} studies"],
                       time.time() - started, bool(device.get("simulated")))  # fmt: skip
+
+
+def _planned(spaces: Sequence[str], last_run: dict[str, Any], arch: str) -> dict[str, StudyPlan]:
+    """Study name -> its plan, for the spaces and the workloads of a folder's last run."""
+    plans, _ = plan_studies(spaces, last_run.get("workloads") or "workloads.yaml", arch)
+    return {p.study_name(b): p for p in plans for b in p.batches}
+
+
+def _carried_studies(
+    folder: Path,
+    storage: optuna.storages.BaseStorage,
+    planned: dict[str, StudyPlan],
+    stale: dict[str, str],
+    stamp: Stamp,
+) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The stale studies a ``kdagen carry`` of the folder's table keeps as measured (stale
+    only because a carried kernel renders differently), and the carries they stand on. A
+    carry covers the render it measured: one more change since is not carried."""
+    loaded = load_table(folder)
+    carries = {k: record for k, record in loaded.carried.items() if staleness(loaded, k) is None}
+    attrs = stored_attrs(storage, list(stale))
+    kept = [n for n in stale if n in planned and planned[n].kernel in carries
+            and render_changed_only(attrs[n], planned[n].space_hash, stamp)]  # fmt: skip
+    return kept, {k: carries[k] for k in {planned[n].kernel for n in kept}}
 
 
 def _tuned_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -288,7 +288,30 @@ def test_repick_rewrites_a_folder_from_its_stored_finals(tmp_path: Path, workloa
     assert empty.exit_code == 2 and "not a tuned folder" in empty.output
     studies_of(folder)[f"{KEY}/b64"].set_user_attr("fingerprint", "another-gpu")
     foreign = runner.invoke(app, ["tune", "--repick", str(folder)])
-    assert foreign.exit_code == 2 and "1 study" in foreign.output and "on the GPU" in foreign.output
+    assert foreign.exit_code == 2 and "studies measured on another GPU" in foreign.output
+
+
+def test_repick_keeps_a_carried_kernels_studies(
+    tmp_path: Path, workloads: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Studies stale only because a carried kernel renders differently are picked again too
+    (the shipped table carries its verify), and the rewritten table keeps the carry."""
+    folder, final, _ = tuned_under_an_earlier_rule(tmp_path, workloads)
+    runs = json.loads((folder / "runs.json").read_text())
+    runs[-1]["options"]["workloads"] = str(workloads)
+    (folder / "runs.json").write_text(json.dumps(runs))
+    original = krender.render
+    monkeypatch.setattr(krender, "render", lambda v: original(v) + "EDITED = 1\n")
+    evidence = tmp_path / "ab.txt"
+    evidence.write_text("A/B of the edit\n")
+    carry(folder, "commit", "the edit", evidence)
+    result = runner.invoke(app, ["tune", "--repick", str(folder)])
+    assert result.exit_code == 0, result.output
+    again = studies_of(folder)[f"{KEY}/b1"].user_attrs["final"]
+    assert again["winner"] == final["winner"]
+    table = dispatch.load_table(folder)
+    assert table.carried["commit"]["reason"] == "the edit"
+    assert next(e for e in table.entries[KEY] if e.batch == 1).variant == final["winner"]
 
 
 def test_repick_that_changes_no_pick_leaves_the_folder_untouched(

@@ -173,11 +173,11 @@ def _runnable(variants: list[Variant]) -> tuple[str, list[Variant]]:
     return arch, runnable
 
 
-def _require_gpu() -> None:
+def _require_gpu(command: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        typer.echo("kdagen: this command needs a CUDA GPU; none is visible", err=True)
+        typer.echo(f"kdagen {command}: needs a CUDA GPU; none is visible", err=True)
         raise typer.Exit(2)
 
 
@@ -211,7 +211,7 @@ def check(
     ),
 ) -> None:
     """Run every variant on the GPU against the fp64 reference, edge cases included."""
-    _require_gpu()
+    _require_gpu("check")
     from kdagen.check import (
         check_variant,
         check_verdicts,
@@ -323,7 +323,7 @@ def bench(
     if layers > 1 and gate not in MODEL_GATES:
         raise typer.BadParameter(f"--gate {gate!r} with --layers: expected kda or softplus "
                                  "(one model's gate)")  # fmt: skip
-    _require_gpu()
+    _require_gpu("bench")
     from kdagen import bench as kbench
 
     if layers > 1:

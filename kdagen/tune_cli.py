@@ -45,7 +45,10 @@ def tune(
         "another process takes it over",
     ),
     out: Path = typer.Option(
-        None, help="output root; results go to `<out>/<gpu-fingerprint>/` [default: generated/]"
+        None,
+        help="output root; results go to `<out>/<gpu-fingerprint>/` [default: the tables the "
+        "run-time reads: $KDAGEN_GENERATED, else `generated/` of the checkout or, installed "
+        "without -e, of the installed package (a reinstall replaces it)]",
     ),
     match: str = typer.Option(None, help="only contract keys containing this (or one of a,b,...)"),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
@@ -117,7 +120,8 @@ def regenerate(
     ),
     out: Path = typer.Option(
         None,
-        help="tables root; this GPU's goes to `<out>/<gpu-fingerprint>/` [default: generated/]",
+        help="tables root; this GPU's goes to `<out>/<gpu-fingerprint>/` [default: as `kdagen "
+        "tune`'s, the tables the run-time reads]",
     ),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, help="compile processes (0: one per CPU)"),
     rounds: int = typer.Option(5, min=1, help="interleaved re-timing rounds of the finalists"),
@@ -155,7 +159,7 @@ def _run_tuner(command: str, fn: Any, simulate: bool, space: list[str] | None,
     """``fn(TuneOptions(**fields), echo)`` on the GPU (or the simulated one), its errors as one
     line and exit 2, an interrupt as exit 130."""
     if not simulate:
-        _require_gpu()
+        _require_gpu(command)
     from kdagen.space import DEFAULT_SPACES, SpaceError
     from kdagen.tune import TuneError, TuneOptions
 
@@ -223,9 +227,9 @@ def _restamp(folder: Path, jobs: int, spaces: list[str] | None) -> None:
     typer.echo(f"{result.folder}: {'; '.join(result.notes)} (same machine code; nothing timed)")
 
 
-def _require_gpu() -> None:
+def _require_gpu(command: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        typer.echo("kdagen tune: needs a CUDA GPU; none is visible", err=True)
+        typer.echo(f"kdagen {command}: needs a CUDA GPU; none is visible", err=True)
         raise typer.Exit(2)

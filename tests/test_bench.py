@@ -434,7 +434,7 @@ def test_bench_command_writes_files_and_prints_the_table(
         seen.update(variants=variants, batches=batches, bandwidth=bandwidth, peers=peers)
         return _rows()
 
-    monkeypatch.setattr(cli, "_require_gpu", lambda: None)
+    monkeypatch.setattr(cli, "_require_gpu", lambda command: None)
     monkeypatch.setattr(cli, "_runnable", lambda vs: ("sm_100a", vs))
     monkeypatch.setattr(cli, "_bench_header", lambda *a: {"kernel": "verify"})
     monkeypatch.setattr(cli, "_bench_peer_note", lambda kernel, on: "flashinfer (stub)")
@@ -460,7 +460,7 @@ def test_bench_command_rejects_conv_and_trees_for_commit(
 ) -> None:
     import kdagen.cli as cli
 
-    monkeypatch.setattr(cli, "_require_gpu", lambda: None)
+    monkeypatch.setattr(cli, "_require_gpu", lambda command: None)
     result = CliRunner().invoke(cli.app, ["bench", "--kernel", "commit", *option])
     assert result.exit_code != 0
     assert "--conv and --tree apply to verify only" in " ".join(result.output.split())
@@ -469,7 +469,7 @@ def test_bench_command_rejects_conv_and_trees_for_commit(
 def test_bench_command_rejects_an_unknown_tree_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     import kdagen.cli as cli
 
-    monkeypatch.setattr(cli, "_require_gpu", lambda: None)
+    monkeypatch.setattr(cli, "_require_gpu", lambda command: None)
     result = CliRunner().invoke(cli.app, ["bench", "--space", "verify_tree_sm90.yaml",
                                           "--tree", "maybe"])  # fmt: skip
     assert result.exit_code != 0 and "expected no, yes or both" in " ".join(result.output.split())

@@ -160,7 +160,7 @@ def test_check_refuses_sm100_variants_on_another_gpu(monkeypatch: pytest.MonkeyP
     import kdagen.cli
     import kdagen.serve.runtime
 
-    monkeypatch.setattr(kdagen.cli, "_require_gpu", lambda: None)
+    monkeypatch.setattr(kdagen.cli, "_require_gpu", lambda command: None)
     monkeypatch.setattr(kdagen.serve.runtime, "device_arch", lambda device=None: "sm_90a")
     result = runner.invoke(app, ["check", "--space", "verify_sm100.yaml", "--match", "h12-q8-i32"])
     assert result.exit_code == 2
@@ -186,7 +186,7 @@ def test_check_compiles_its_variants_ahead_then_checks_each(
     from kdagen.serve.variant import Variant
 
     monkeypatch.setenv("KDAGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(kdagen.cli, "_require_gpu", lambda: None)
+    monkeypatch.setattr(kdagen.cli, "_require_gpu", lambda command: None)
     monkeypatch.setattr(kdagen.serve.runtime, "device_arch", lambda device=None: "sm_90a")
     names = ["commit-h12-q1-i32-bulk-t128-v4-r4-pdl", "commit-h12-q1-i32-bulk-t256-v8-r2-pdl"]
     cached_at_check = {}

@@ -119,6 +119,11 @@ def test_explicit_variant_must_fit_the_tensors() -> None:
     assert launch.variant.threads == 256
 
 
+def test_a_bad_variant_name_is_an_input_error() -> None:
+    with pytest.raises(KdaInputError, match="kdagen.commit: `variant`: cannot parse variant name"):
+        _validate(_inputs(), variant="bogus")
+
+
 @pytest.mark.parametrize("variant", [123, object(), {"threads": 256}])
 def test_a_variant_of_another_type_is_named(variant: object) -> None:
     with pytest.raises(KdaInputError, match="`variant` must be a Variant, its name or None, got"):

@@ -117,6 +117,20 @@ def test_parse_rejects_garbage_with_an_example() -> None:
         Variant.from_fields({**BASE, "warps": 4})
 
 
+@pytest.mark.parametrize(("name", "says"), [
+    ("bogus", "it ends before the head count"),
+    ("verify-h12-q8-i32", "a contract key, not a variant name.*kdagen variants --match"),
+    ("commit-h12-q8-i16-bulk-t128-v4-r2-pdl", "expected one of i32, i64, got 'i16'"),
+    ("verify-h12-q8-conv-xx-bf16-i32-sm90_wgmma-t128", "expected one of tm, df, got 'xx'"),
+    ("commit-hx-q8-i32", "expected h and a number, got 'hx'"),
+    ("commit-h12-q8-i32-bulk-x3-pdl", "'x3' is not a tuning token"),
+    ("commit-h12-q8-i32-bulk-t-pdl", "'t' is not a tuning token"),
+])  # fmt: skip
+def test_a_bad_name_says_which_token_and_what_was_expected(name: str, says: str) -> None:
+    with pytest.raises(VariantError, match=f"cannot parse variant name '{name}'.*{says}"):
+        Variant.parse(name)
+
+
 def test_digest_is_stable_and_follows_the_rendered_source() -> None:
     a, b = Variant(**BASE), Variant(**BASE)
     assert digest(a) == digest(b) and len(digest(a)) == 16

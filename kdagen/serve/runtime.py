@@ -20,7 +20,7 @@ from . import kernel_source
 from .contract import CommitArgs, VerifyArgs, check_commit, check_verify
 from .validate import KdaInputError, check_tensor
 from .values import check_commit_values, check_verify_values, wanted
-from .variant import Variant, lean_commit_key
+from .variant import Variant, VariantError, lean_commit_key
 
 
 def device_arch(device: torch.device | None = None) -> str:
@@ -267,7 +267,10 @@ def _resolve_variant(
     if not isinstance(variant, (Variant, str)):
         raise KdaInputError(f"kdagen.{kernel}: `variant` must be a Variant, its name or None, "
                             f"got {type(variant).__name__}")  # fmt: skip
-    chosen = Variant.parse(variant) if isinstance(variant, str) else variant
+    try:
+        chosen = Variant.parse(variant) if isinstance(variant, str) else variant
+    except VariantError as err:
+        raise KdaInputError(f"kdagen.{kernel}: `variant`: {err}") from None
     expected = {"kernel": kernel, "heads": heads, "window": window, "slot_dtype": slot_dtype}
     expected |= fields
     wrong = {k: (getattr(chosen, k), v) for k, v in expected.items() if getattr(chosen, k) != v}

@@ -250,6 +250,11 @@ class Variant:
         tokens = name.split("-")
         try:
             values = _pop_contract(tokens)
+            if not tokens:
+                raise ValueError(
+                    "it is a contract key, not a variant name: a path and tuning values follow "
+                    f"it (`kdagen variants --match {name}` lists its variants)"
+                )
             values["path"] = tokens.pop(0)
             by_token = {token: field_name for field_name, token in _TUNING_TOKENS}
             for token in tokens:
@@ -257,8 +262,13 @@ class Variant:
                     values["pdl"] = token == "pdl"
                     continue
                 prefix = token.rstrip("0123456789")
+                if prefix not in by_token or prefix == token:
+                    raise ValueError(
+                        f"{token!r} is not a tuning token (a letter of "
+                        f"{''.join(sorted(by_token))} and a number, or pdl / nopdl)"
+                    )
                 values[by_token[prefix]] = int(token[len(prefix) :])
-        except (IndexError, KeyError, ValueError) as err:
+        except ValueError as err:
             raise VariantError(
                 f"cannot parse variant name {name!r} (expected e.g. "
                 f"'commit-h12-q8-i32-bulk-t128-v8-r1-pdl'): {err}"
@@ -295,13 +305,7 @@ def parse_contract_key(key: str) -> dict[str, Any]:
         values = _pop_contract(tokens)
         if tokens:
             raise ValueError(f"unexpected {'-'.join(tokens)!r} after the slot dtype")
-    except IndexError:
-        raise VariantError(
-            f"contract key {key!r} ends early: expected "
-            "kernel-hH-qQ[-softplus][-tree][-noprefix][-conv-LAYOUT-TAPS]-SLOTS, "
-            "e.g. 'verify-h12-q8-i32' or 'verify-h12-q8-conv-tm-bf16-i32'"
-        ) from None
-    except (KeyError, ValueError) as err:
+    except ValueError as err:
         raise VariantError(
             f"cannot parse contract key {key!r} (expected e.g. 'verify-h12-q8-i32' or "
             f"'verify-h12-q8-conv-tm-bf16-i32'): {err}"
@@ -309,11 +313,16 @@ def parse_contract_key(key: str) -> dict[str, Any]:
     return values
 
 
+# The contract part of a name or key, as the errors of its parsers spell it.
+_CONTRACT_FORM = "KERNEL-hH-qQ[-softplus][-tree][-noprefix][-conv-tm|df-bf16|fp32]-i32|i64"
+
+
 def _pop_contract(tokens: list[str]) -> dict[str, Any]:
-    """Consume the contract tokens at the front of a split name or key."""
-    values: dict[str, Any] = {"kernel": tokens.pop(0)}
-    values["heads"] = int(_strip(tokens.pop(0), "h"))
-    values["window"] = int(_strip(tokens.pop(0), "q"))
+    """Consume the contract tokens at the front of a split name or key; a ValueError says
+    which token is wrong (or missing) and what was expected."""
+    values: dict[str, Any] = {"kernel": _take(tokens, "the kernel")}
+    values["heads"] = _number(_take(tokens, "the head count"), "h")
+    values["window"] = _number(_take(tokens, "the window"), "q")
     if tokens and tokens[0] == "softplus":
         values["gate"] = tokens.pop(0)
     if tokens and tokens[0] == "tree":
@@ -324,16 +333,31 @@ def _pop_contract(tokens: list[str]) -> dict[str, Any]:
     if tokens and tokens[0] == "conv":
         tokens.pop(0)
         values["conv"] = True
-        values["conv_layout"] = _LONG[tokens.pop(0)]
-        values["conv_weight_dtype"] = tokens.pop(0)
-    values["slot_dtype"] = _LONG[tokens.pop(0)]
+        values["conv_layout"] = _long(_take(tokens, "the conv layout"), ("tm", "df"))
+        values["conv_weight_dtype"] = _take(tokens, "the conv taps' dtype")
+    values["slot_dtype"] = _long(_take(tokens, "the slot dtype"), ("i32", "i64"))
     return values
 
 
-def _strip(token: str, prefix: str) -> str:
-    if not token.startswith(prefix):
-        raise ValueError(f"expected a {prefix!r} token, got {token!r}")
-    return token[len(prefix) :]
+def _take(tokens: list[str], what: str) -> str:
+    if not tokens:
+        raise ValueError(f"it ends before {what} (contract: {_CONTRACT_FORM})")
+    return tokens.pop(0)
+
+
+def _number(token: str, prefix: str) -> int:
+    digits = token[len(prefix) :]
+    if not token.startswith(prefix) or not digits.isdigit():
+        raise ValueError(f"expected {prefix} and a number, got {token!r} "
+                         f"(contract: {_CONTRACT_FORM})")  # fmt: skip
+    return int(digits)
+
+
+def _long(token: str, allowed: tuple[str, ...]) -> str:
+    if token not in allowed:
+        raise ValueError(f"expected one of {', '.join(allowed)}, got {token!r} "
+                         f"(contract: {_CONTRACT_FORM})")  # fmt: skip
+    return _LONG[token]
 
 
 def check_field(name: str, value: Any) -> None:

@@ -47,7 +47,12 @@ def _variants(space: list[str] | None) -> list[Variant]:
 
 
 def _filter(variants: list[Variant], match: str | None) -> list[Variant]:
-    return [v for v in variants if name_matches(v.name, match)]
+    """The variants ``--match`` selects; one that selects none is a mistyped filter."""
+    selected = [v for v in variants if name_matches(v.name, match)]
+    if variants and not selected:
+        raise typer.BadParameter(f"--match {match!r} selects none of the {len(variants)} "
+                                 "variants of the spaces given")  # fmt: skip
+    return selected
 
 
 @app.command()

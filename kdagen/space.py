@@ -150,7 +150,7 @@ class Workload:
 
 
 def load_workloads(path: str | Path = "workloads.yaml") -> list[Workload]:
-    path = _resolve(path)
+    path = _resolve(path, "workloads file")
     data = _read_yaml(path)
     out = []
     for i, entry in enumerate(data.get("workloads") or []):
@@ -168,13 +168,19 @@ def load_workloads(path: str | Path = "workloads.yaml") -> list[Workload]:
     return out
 
 
-def _resolve(path: str | Path) -> Path:
-    path = Path(path)
-    if not path.exists() and (SPACE_DIR / path).exists():
-        path = SPACE_DIR / path
-    if not path.exists():
-        raise SpaceError(f"space file {path} not found (also looked in {SPACE_DIR})")
-    return path
+def _resolve(path: str | Path, what: str = "space file") -> Path:
+    """A path as given, else a name in search_spaces/ (``.yaml`` may be left out)."""
+    given = Path(path)
+    tries = [given, SPACE_DIR / given]
+    if not given.suffix:
+        tries += [given.with_suffix(".yaml"), SPACE_DIR / given.with_suffix(".yaml")]
+    found = next((p for p in tries if p.is_file()), None)
+    if found is None:
+        workloads = what.startswith("workloads")  # the folder holds both kinds of file
+        names = ", ".join(sorted(p.name for p in SPACE_DIR.glob("*.yaml")
+                                 if p.name.startswith("workloads") == workloads))  # fmt: skip
+        raise SpaceError(f"{what} {given} not found (also looked in {SPACE_DIR}: {names})")
+    return found
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

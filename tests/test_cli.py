@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from typer.testing import CliRunner
 
 from kdagen.cli import app
@@ -106,7 +107,8 @@ def test_match_takes_a_comma_separated_list() -> None:
     other = _filter(variants, "h96-q8-i64-bulk-t128-v4-r2")
     assert len(one) == len(other) == 1
     assert _filter(variants, f"{one[0].name},{other[0].name}") == one + other
-    assert _filter(variants, "no-such-variant,") == []
+    with pytest.raises(typer.BadParameter, match="selects none of the"):
+        _filter(variants, "no-such-variant,")
     assert _filter(variants, None) == variants
     plans, _ = plan_studies(
         ["commit.yaml"], "workloads.yaml", "sm_90a", "commit-h12-q1-i32,h96-q8-i"
@@ -132,6 +134,14 @@ def test_compile_failure_exits_non_zero(tmp_path: Path, monkeypatch: pytest.Monk
     result = runner.invoke(app, ["compile", "--match", "h12-q1-i32-bulk-t256-v8-r4", "-j", "1"])
     assert result.exit_code == 1
     assert "FAILED" in result.output and "not_an_op" in result.output
+
+
+def test_a_match_that_selects_nothing_is_refused() -> None:
+    result = runner.invoke(
+        app, ["compile", "-s", "commit_ring.yaml", "--match", "q8-i32-bulk_ring"]
+    )
+    assert result.exit_code == 2
+    assert "--match 'q8-i32-bulk_ring' selects none of the 112 variants" in _flat(result.output)
 
 
 def test_compile_rejects_unknown_arch() -> None:

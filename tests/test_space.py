@@ -73,8 +73,17 @@ def test_bad_space_files_name_the_problem(tmp_path: Path, text: str, message: st
 
 
 def test_missing_space_file() -> None:
-    with pytest.raises(SpaceError, match="not found"):
+    with pytest.raises(SpaceError, match="space file no-such-space.yaml not found") as err:
         Space.load("no-such-space.yaml")
+    assert "commit_ring.yaml" in str(err.value) and "workloads.yaml" not in str(err.value)
+    with pytest.raises(SpaceError, match="workloads file nope not found.*: workloads.yaml"):
+        load_workloads("nope")
+
+
+def test_a_shipped_space_or_workloads_file_may_be_named_without_yaml() -> None:
+    assert Space.load("commit_ring").expand().variants == (
+        Space.load("commit_ring.yaml").expand().variants)  # fmt: skip
+    assert load_workloads("workloads_quick") == load_workloads("workloads_quick.yaml")
 
 
 def test_shipped_workloads_cover_the_tuning_targets() -> None:

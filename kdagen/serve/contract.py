@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .validate import KdaInputError, check_flag, check_scalar, check_state, check_tensor
+from .validate import API, KdaInputError, check_flag, check_scalar, check_state, check_tensor
 
 # verify's bound on |Q x lower_bound|. The window's log decay G_t reaches Q x lower_bound when
 # every gate saturates; the kernels scale the probes by exp(G) and the w rows by exp(-G), so
@@ -71,7 +71,7 @@ class VerifyArgs:
         width = qkv.shape[-1] // 3 if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else 0
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != 3 * width:
             shape = list(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-            raise KdaInputError(f"kdagen.verify: `qkv` must have shape [T, 3*H*128], got {shape}")
+            raise KdaInputError(f"{API}.verify: `qkv` must have shape [T, 3*H*128], got {shape}")
         q, k, v = qkv[:, :width], qkv[:, width : 2 * width], qkv[:, 2 * width :]
         return cls(q, k, v, *args, **kwargs)
 
@@ -157,7 +157,7 @@ def _check_records(op: str, corr: object, batch: int, heads: int) -> int:
 
 
 def check_commit(
-    args: CommitArgs, *, op: str = "kdagen.commit", require_cuda: bool = True,
+    args: CommitArgs, *, op: str = f"{API}.commit", require_cuda: bool = True,
     float_results: bool = False,
 ) -> Checked:  # fmt: skip
     """Every check of commit's arguments (shapes, dtypes, strides, devices, the gate);
@@ -241,7 +241,7 @@ def _check_conv(
 def check_verify(
     args: VerifyArgs,
     *,
-    op: str = "kdagen.verify",
+    op: str = f"{API}.verify",
     require_cuda: bool = True,
     records_by_slot: bool = False,
     float_results: bool = False,

@@ -18,13 +18,13 @@ import torch
 
 from .contract import MAX_WINDOW, gate_of
 from .runtime import _resolve_variant, check_path, kernel_lower_bound, launch_commit
-from .validate import KdaInputError, check_flag, check_scalar, check_state, check_tensor
+from .validate import API, KdaInputError, check_flag, check_scalar, check_state, check_tensor
 from .values import check_commit_values, wanted
 from .variant import Variant
 
 K = 128
 HISTORY = 3  # conv rows a width-4 convolution keeps between windows
-OP = "kdagen.ModelCommit"
+OP = f"{API}.ModelCommit"
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def _commit_layers(
     found = _MODELS.get(int(model))
     if found is None:
         raise KdaInputError(
-            "kdagen::commit_layers: `model` must be a handle kdagen.serve.ops.register gave"
+            f"kdagen::commit_layers: `model` must be a handle {__package__}.ops.register gave"
         )
     if _addresses(states) + _addresses(conv_states) != _addresses(found.states) + _addresses(
         found.conv_states

@@ -18,7 +18,7 @@ import torch
 
 from . import kernel_source
 from .contract import CommitArgs, VerifyArgs, check_commit, check_verify
-from .validate import KdaInputError, check_tensor
+from .validate import API, KdaInputError, check_tensor
 from .values import check_commit_values, check_verify_values, wanted
 from .variant import Variant, VariantError, lean_commit_key
 
@@ -134,10 +134,10 @@ def run_commit(
     if launch.batch == 0:
         return
     if path is not None:
-        check_path("kdagen.commit", path, launch.batch, args.corr.shape[2], args.state.device)
+        check_path(f"{API}.commit", path, launch.batch, args.corr.shape[2], args.state.device)
     state, corr, kg = args.state, args.corr, args.kg
     if wanted(state.device):
-        check_commit_values("kdagen.commit", slots=args.slots, accepted=args.accepted,
+        check_commit_values(f"{API}.commit", slots=args.slots, accepted=args.accepted,
                             null_slot=int(args.null_slot), slot_count=state.shape[0],
                             window=corr.shape[2], path=path)  # fmt: skip
     launch_commit(
@@ -265,12 +265,12 @@ def _resolve_variant(
     if variant is None:
         return _dispatched(kernel, heads, window, slot_dtype, batch, device, arch, **fields)
     if not isinstance(variant, (Variant, str)):
-        raise KdaInputError(f"kdagen.{kernel}: `variant` must be a Variant, its name or None, "
+        raise KdaInputError(f"{API}.{kernel}: `variant` must be a Variant, its name or None, "
                             f"got {type(variant).__name__}")  # fmt: skip
     try:
         chosen = Variant.parse(variant) if isinstance(variant, str) else variant
     except VariantError as err:
-        raise KdaInputError(f"kdagen.{kernel}: `variant`: {err}") from None
+        raise KdaInputError(f"{API}.{kernel}: `variant`: {err}") from None
     expected = {"kernel": kernel, "heads": heads, "window": window, "slot_dtype": slot_dtype}
     expected |= fields
     wrong = {k: (getattr(chosen, k), v) for k, v in expected.items() if getattr(chosen, k) != v}
@@ -279,7 +279,7 @@ def _resolve_variant(
             f"{k}: variant has {a!r}, tensors need {b!r}" for k, (a, b) in wrong.items()
         )
         raise KdaInputError(
-            f"kdagen.{kernel}: variant {chosen.name} does not fit the inputs ({detail})"
+            f"{API}.{kernel}: variant {chosen.name} does not fit the inputs ({detail})"
         )
     return chosen
 
@@ -347,7 +347,7 @@ def validate_verify(
     require_cuda: bool = True,
     arch: str | None = None,
     records_by_slot: bool = False,
-    op: str = "kdagen.verify",
+    op: str = f"{API}.verify",
 ) -> VerifyLaunch:
     """Every check ``verify`` makes (``contract.check_verify``) and the variant, without
     launching (CPU tensors pass with ``require_cuda=False``, so the messages are testable
@@ -381,7 +381,7 @@ def work_counter(device: torch.device) -> torch.Tensor:
     if index not in _COUNTERS:
         if torch.cuda.is_current_stream_capturing():
             raise KdaInputError(
-                "kdagen.verify: no work counter exists yet for this device and one cannot be "
+                f"{API}.verify: no work counter exists yet for this device and one cannot be "
                 "made during CUDA-graph capture; call verify once before capturing, or pass "
                 "`counter=` (a zeroed int32 tensor [1])"
             )
@@ -458,7 +458,7 @@ def launch_verify(launch: VerifyLaunch, counter: torch.Tensor | None = None) -> 
     if counter is None:
         counter = work_counter(device)
     else:
-        check_tensor("kdagen.verify", "counter", counter, dims=[1], dtypes=[torch.int32],
+        check_tensor(f"{API}.verify", "counter", counter, dims=[1], dtypes=[torch.int32],
                      device=device)  # fmt: skip
     from .abi import launch_args
 

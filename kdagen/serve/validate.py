@@ -9,6 +9,10 @@ import torch
 
 from .variant import MAX_HEADS
 
+# What callers call the API by, for error messages: ``kdagen.verify`` in kdagen, the package's
+# own name (``kda_kernels.verify``) in one ``kdagen emit`` wrote.
+API = "kdagen" if __package__ == "kdagen.serve" else __package__
+
 # A dimension is an exact size, or (name, minimum) for a size the caller chooses.
 Dim = int | tuple[str, int]
 FLOAT32_MAX = 3.4028234663852886e38  # the kernels take float scalars as fp32

@@ -20,8 +20,8 @@ from .model_commit import ModelCommit
 from .runtime import launch_verify, validate_verify
 from .validate import KdaInputError, check_scalar
 
-OP = "kdagen.serve.vllm.kda_recoverssm_verify"
-COMMIT_OP = "kdagen.serve.vllm.KDARecoverSSMCommitContext"
+OP = f"{__package__}.vllm.kda_recoverssm_verify"
+COMMIT_OP = f"{__package__}.vllm.KDARecoverSSMCommitContext"
 NULL_BLOCK_ID = 0  # vLLM's padding block
 K = 128
 

@@ -206,6 +206,45 @@ def test_commit_context_refuses_what_it_cannot_serve(monkeypatch) -> None:
         ctx.commit(three, three[:2], three, request_indices=three[:1])
 
 
+def test_commit_context_takes_vllms_index_tensors_as_they_come(monkeypatch) -> None:
+    """int64 and strided index tensors (vLLM's buffers) reach the kernel as int32 contiguous
+    copies in buffers the context keeps (slots keep their dtype); a longer accepted buffer
+    gives its first rows; a batch of none does nothing; vLLM's `backend=` is taken."""
+    monkeypatch.setattr("kdagen.serve.model_commit.check_state",
+                        lambda op, t, require_cuda=True: t)  # CPU tensors here  # fmt: skip
+    seen: list[dict] = []
+    monkeypatch.setattr(ModelCommit, "commit", lambda self, slots, accepted, **step: seen.append(
+        {"slots": slots, "accepted": accepted, **step}))  # fmt: skip
+    ctx = KDARecoverSSMCommitContext.create(vllm_layers(), spec_query_len=Q, max_num_reqs=8,
+                                            backend="cute", conv_state_dim_first=False)  # fmt: skip
+    table = torch.tensor([[3, 1], [4, 2], [5, 9]])  # int64; column 0 is strided
+    accepted = torch.tensor([2, 1, 4, 4, 4, 4, 4, 4])  # vLLM's persistent int64 buffer
+    ctx.commit(accepted, table[:2, 0], torch.tensor([0, 4, 8]), block_table=table[:2],
+               num_computed_tokens=torch.tensor([16, 32]), mamba_block_size=16)  # fmt: skip
+    step = seen[-1]
+    assert step["slots"].dtype == torch.int64 and step["slots"].is_contiguous()
+    assert step["slots"].tolist() == [3, 4] and step["accepted"].tolist() == [2, 1]
+    for name in ("accepted", "query_start", "block_table", "num_computed"):
+        assert step[name].dtype == torch.int32 and step[name].is_contiguous(), name
+    assert step["block_table"].tolist() == [[3, 1], [4, 2]] and step["block_size"] == 16
+    first = step["accepted"].data_ptr()
+    ctx.commit(accepted, table[:2, 0], torch.tensor([0, 4, 8]))
+    assert seen[-1]["accepted"].data_ptr() == first  # the same buffer, nothing allocated
+    int32 = torch.tensor([1, 2], dtype=torch.int32)
+    ctx.commit(int32, int32, torch.tensor([0, 4, 8], dtype=torch.int32))
+    assert seen[-1]["accepted"] is int32 and seen[-1]["slots"] is int32  # as they are
+    calls = len(seen)
+    ctx.commit(accepted, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    assert len(seen) == calls  # no requests: nothing launched, as vLLM returns early
+    with pytest.raises(KdaInputError, match=r"`mamba_block_size` must cover one window \(>= 4\), "
+                                            r"got 0"):  # fmt: skip
+        ctx.commit(int32, int32, torch.tensor([0, 4, 8]), block_table=table[:2],
+                   num_computed_tokens=int32, mamba_block_size=0)  # fmt: skip
+    with pytest.raises(KdaInputError, match="`backend` must be 'triton', 'cute' or None"):
+        KDARecoverSSMCommitContext.create(vllm_layers(), spec_query_len=Q, max_num_reqs=8,
+                                          backend="tilelang")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

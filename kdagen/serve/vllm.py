@@ -1,10 +1,12 @@
 """Drop-ins for vLLM's Kimi-K3 RecoverSSM ops: ``kda_recoverssm_verify`` on kdagen's verify and
 ``KDARecoverSSMCommitContext`` on kdagen's all-layer commit.
 
-Same signature and layouts as vLLM's Triton kernel (and FlashInfer's CuTe-DSL one): q, k, v,
-raw_g [1, T, H, 128], raw_beta [1, T, H], the correction and key/gate caches indexed by state
-block (``state_indices[b]``, not by request), null block 0, conv done upstream. vLLM 0.33's
-verify takes one records object instead, rows per request: ``kda_recoverssm_verify_records``.
+``kda_recoverssm_verify`` has the signature and layouts of FlashInfer 0.7.2's drop-in (and of
+vLLM's Triton kernel before 0.33): q, k, v, raw_g [1, T, H, 128], raw_beta [1, T, H], the
+correction and key/gate caches indexed by state block (``state_indices[b]``, not by request),
+null block 0, conv done upstream. vLLM 0.33's verify takes one records object instead, rows
+per request: ``kda_recoverssm_verify_records``, its exact signature; use that one with a
+commit context made from layers with ``recoverssm_records``.
 """
 
 from __future__ import annotations
@@ -214,12 +216,14 @@ class KDARecoverSSMCommitContext:
     correction cache, key/gate cache): records per state block; or, as vLLM 0.33 lays them
     out, ``kv_cache`` = (conv state, state) and ``recoverssm_records`` with ``correction``
     and ``key_gate`` rows per request of the step) and prepares the per-layer address table
-    once; ``commit`` then allocates nothing and never synchronises (CUDA-graph safe). The
-    conv state keeps ``conv state length - Q + 1`` history rows.
+    once; ``commit`` then never synchronises (CUDA-graph safe) and allocates nothing past
+    its first steps (see ``commit``). The conv state is vLLM's for a 4-tap conv, ``Q + 2``
+    rows a block (``conv state length - Q + 1`` = 3 history rows), either layout.
     """
 
     def __init__(self, pools: ModelCommit, spec_query_len: int, max_num_reqs: int) -> None:
         self.pools, self.spec_query_len, self.max_num_reqs = pools, spec_query_len, max_num_reqs
+        self.indices = _Int32Indices(pools.device, max_num_reqs + 1)
 
     @classmethod
     def create(
@@ -228,12 +232,17 @@ class KDARecoverSSMCommitContext:
         *,
         spec_query_len: int,
         max_num_reqs: int,
+        backend: str | None = None,
         conv_state_dim_first: bool | None = None,
     ) -> KDARecoverSSMCommitContext:
-        """``conv_state_dim_first``: the conv states' layout ([blocks, dim, len] rather than
-        [blocks, len, dim]); by default vLLM's own setting when vLLM is importable, else
-        token-major."""
+        """``backend``: vLLM's choice of its own kernels ("triton" or "cute"), taken so that
+        vLLM's call works unchanged; kdagen's kernel serves either. ``conv_state_dim_first``:
+        the conv states' layout ([blocks, dim, len] rather than [blocks, len, dim]); by
+        default vLLM's own setting when vLLM is importable, else token-major."""
         op = COMMIT_OP
+        if backend not in (None, "triton", "cute"):
+            raise KdaInputError(f"{op}: `backend` must be 'triton', 'cute' or None (vLLM's "
+                                f"choices; kdagen's kernel serves either), got {backend!r}")  # fmt: skip
         # Any collection of layers vLLM's own create takes (a list, a tuple, a ModuleList).
         if isinstance(layers, (str, bytes, torch.Tensor)) or not isinstance(layers, Iterable):
             raise KdaInputError(f"{op}: `layers` must hold at least one KDA layer, got "
@@ -310,13 +319,17 @@ class KDARecoverSSMCommitContext:
         ``request_indices[b]`` when given, else b; with ``block_table``,
         ``num_computed_tokens`` and ``mamba_block_size`` (prefix caching) the state goes to
         the block of the last committed token and the state at a crossed block boundary to
-        that block."""
+        that block. Index tensors may be int32 or int64 and strided, as vLLM's take them
+        (``num_accepted_tokens`` longer than the batch: its first rows); a batch of none
+        does nothing."""
         op = f"{COMMIT_OP}.commit"
         if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1:
             got = (list(state_indices.shape) if isinstance(state_indices, torch.Tensor)
                    else type(state_indices).__name__)  # fmt: skip
             raise KdaInputError(f"{op}: `state_indices` must be a 1-D tensor, got {got}")
         batch = state_indices.shape[0]
+        if batch == 0:
+            return
         if batch > self.max_num_reqs:
             raise KdaInputError(f"{op}: {batch} requests exceed `max_num_reqs` "
                                 f"({self.max_num_reqs})")  # fmt: skip
@@ -329,14 +342,64 @@ class KDARecoverSSMCommitContext:
                 raise KdaInputError(f"{op}: `request_indices` must be 1-D with at least "
                                     f"{batch} entries")  # fmt: skip
             request_indices = request_indices[:batch]
+        elif isinstance(num_accepted_tokens, torch.Tensor) and (
+            num_accepted_tokens.dim() == 1 and num_accepted_tokens.shape[0] > batch
+        ):
+            num_accepted_tokens = num_accepted_tokens[:batch]  # vLLM reads rows 0..B-1
+        if mamba_block_size is not None and (block_table is None or num_computed_tokens is None):
+            raise KdaInputError(f"{op}: prefix caching needs `block_table`, "
+                                "`num_computed_tokens` and `mamba_block_size` together")  # fmt: skip
+        if isinstance(mamba_block_size, int) and mamba_block_size < self.spec_query_len:
+            raise KdaInputError(f"{op}: `mamba_block_size` must cover one window "
+                                f"(>= {self.spec_query_len}), got {mamba_block_size}")  # fmt: skip
+        as_int32 = self.indices
         try:
             self.pools.commit(
-                state_indices, num_accepted_tokens, query_start=query_start_loc,
-                request_index=request_indices, block_table=block_table,
-                num_computed=num_computed_tokens, block_size=mamba_block_size or 0,
+                as_int32.slots(state_indices), as_int32("num_accepted_tokens", num_accepted_tokens),
+                query_start=as_int32("query_start_loc", query_start_loc),
+                request_index=as_int32("request_indices", request_indices),
+                block_table=as_int32("block_table", block_table),
+                num_computed=as_int32("num_computed_tokens", num_computed_tokens),
+                block_size=mamba_block_size or 0,
             )  # fmt: skip
         except KdaInputError as err:
             raise _renamed(err, _COMMIT_NAMES) from None
+
+
+class _Int32Indices:
+    """vLLM's index tensors as kdagen's commit kernel reads them: int32 (slots: int32 or
+    int64) and contiguous. Tensors already so pass as they are; the others (vLLM's int64
+    buffers, a column of a 2-D tensor) are copied into buffers this context keeps, one a
+    name, made at the first step that needs them and reused (sliced) after: one small copy
+    kernel each, nothing allocated in the steady state, so CUDA graphs capture it."""
+
+    def __init__(self, device: torch.device, rows: int) -> None:
+        self.device, self.rows = device, rows
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, index: Any, dtype: torch.dtype = torch.int32) -> Any:
+        if not self._convertible(index) or (index.dtype == dtype and index.is_contiguous()):
+            return index  # as it is: the commit's own checks name anything wrong with it
+        shape = tuple(index.shape)
+        held = self.buffers.get(name)
+        fits = (held is not None and held.dtype == dtype and held.shape[1:] == shape[1:]
+                and held.shape[0] >= shape[0])  # fmt: skip
+        if not fits:
+            self.buffers[name] = held = torch.empty(
+                (max(shape[0], self.rows), *shape[1:]), dtype=dtype, device=self.device
+            )
+        staged = held[: shape[0]]
+        staged.copy_(index)
+        return staged
+
+    def slots(self, index: Any) -> Any:
+        """State indices keep their dtype (the kernel is built for either)."""
+        dtype = index.dtype if self._convertible(index) else torch.int32
+        return self("state_indices", index, dtype)
+
+    def _convertible(self, index: Any) -> bool:
+        return (isinstance(index, torch.Tensor) and index.device == self.device
+                and index.dtype in (torch.int32, torch.int64) and index.dim() in (1, 2))  # fmt: skip
 
 
 def _vllm_conv_dim_first() -> bool:

@@ -66,9 +66,13 @@ def restore(layers: list[SimpleNamespace], saved: list[list[torch.Tensor]]) -> N
 
 # With ``align``, request 0's window ends on a block boundary: its final state goes to the
 # block of its last token (vLLM's rule), not the next one.
+# ``index_dtype`` int64: vLLM's own index buffers, which the context copies to int32 ones.
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("align", [False, True])
 @pytest.mark.parametrize("dim_first", [False, True])
-def test_commit_context_matches_vllm(align: bool, dim_first: bool, monkeypatch) -> None:
+def test_commit_context_matches_vllm(
+    align: bool, dim_first: bool, index_dtype: torch.dtype, monkeypatch
+) -> None:
     from kdagen.peers import vllm_commit
 
     monkeypatch.setenv("KDAGEN_VLLM_CONV_DIM_FIRST", "1" if dim_first else "0")
@@ -104,6 +108,7 @@ def test_commit_context_matches_vllm(align: bool, dim_first: bool, monkeypatch) 
     if align:
         args |= dict(block_table=table.cuda(), num_computed_tokens=computed.cuda(),
                      mamba_block_size=16)  # fmt: skip
+    args = {k: v.to(index_dtype) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     start = snapshot(layers)
     ours = KDARecoverSSMCommitContext.create(layers, spec_query_len=window, max_num_reqs=64,
                                              conv_state_dim_first=dim_first)  # fmt: skip

@@ -213,6 +213,21 @@ def test_vllm_entry_on_cpu_passes_valid_arguments(vllm_on_cpu: list) -> None:
     assert out.shape == (1, vllm_on_cpu[0].args.q.shape[0], H, 128)
 
 
+def test_vllm_entry_takes_the_gate_parameters_in_the_layers_shapes(vllm_on_cpu: list) -> None:
+    """vLLM's layers hold dt_bias as [H*128] or [H, 128] and A_log as [H] or [1, 1, H, 1]:
+    any contiguous shape with the right count reaches the kernel as its 1-D view."""
+    args = _vllm_verify_args()
+    a_log, dt_bias = args["A_log"], args["dt_bias"]
+    kda_recoverssm_verify(**(args | {"A_log": a_log.view(1, 1, H, 1),
+                                     "dt_bias": dt_bias.view(H, 128)}))  # fmt: skip
+    launched = vllm_on_cpu[-1].args
+    assert launched.a_log.shape == (H,) and launched.a_log.data_ptr() == a_log.data_ptr()
+    assert launched.dt_bias.shape == (H * 128,)
+    assert launched.dt_bias.data_ptr() == dt_bias.data_ptr()
+    with pytest.raises(KdaInputError, match=r"`dt_bias` must have shape \[256\], got \[128\]"):
+        kda_recoverssm_verify(**(args | {"dt_bias": dt_bias.view(H, 128)[:1]}))
+
+
 @pytest.mark.parametrize(
     ("name", "bad", "message"),
     [

@@ -95,6 +95,14 @@ def _tokens_view(name: str, t: object, width: int | None = K) -> torch.Tensor:
     return flat.as_strided((flat.shape[0], flat.shape[1] * width), (flat.stride(0), 1))
 
 
+def _flat(param: object) -> object:
+    """A gate parameter in any contiguous shape (vLLM's layers hold ``dt_bias`` as [H*128] or
+    [H, 128], ``A_log`` as [H] or [1, 1, H, 1]) as the 1-D view the kernels read."""
+    if isinstance(param, torch.Tensor) and param.is_contiguous():
+        return param.reshape(-1)
+    return param
+
+
 def kda_recoverssm_verify(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -194,7 +202,7 @@ def verify_records(
     if flat_out.stride(0) != flat_out.shape[1]:
         raise KdaInputError(f"{OP}: `out` must be contiguous, got strides {list(out.stride())}")
     args = VerifyArgs(
-        flat["q"], flat["k"], flat["v"], flat["raw_g"], flat_beta, A_log, dt_bias,
+        flat["q"], flat["k"], flat["v"], flat["raw_g"], flat_beta, _flat(A_log), _flat(dt_bias),
         checkpoint_state, query_start_loc, state_indices, flat_out, correction, key_gate,
         lower_bound, NULL_BLOCK_ID,
     )  # fmt: skip

@@ -103,15 +103,22 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
     except Exception as err:  # a launch error is a failed check, not a crash of the run
         result.error = f"{type(err).__name__}: {err}"[:300]
         return result
-    after = pool_of(state)
-    result.deterministic = bool(torch.equal(first.view(torch.int16), after.view(torch.int16)))
+    result.deterministic = bool(torch.equal(first.view(torch.int16),
+                                            pool_of(state).view(torch.int16)))  # fmt: skip
+    compare_commit(result, state, expected, before, touched_mask(args))
+    return result
 
-    touched = touched_mask(args)
+
+def compare_commit(result: CaseResult, state: torch.Tensor, expected: torch.Tensor,
+                   before: torch.Tensor, touched: torch.Tensor) -> None:  # fmt: skip
+    """The verdict's figures: ``state`` (the kernel's, in its padded pool) against the fp64
+    ``expected`` on the ``touched`` slots; every other slot and the pool's padding bit for
+    bit as ``before`` (the pool's pre-launch copy)."""
+    after = pool_of(state)
     width = state.shape[1] * state.shape[2] * state.shape[3]
-    pad_region = after[:, width:]
     result.untouched_ok = bool(
         torch.equal(after[~touched].view(torch.int16), before[~touched].view(torch.int16))
-        and torch.equal(pad_region.view(torch.int16), before[:, width:].view(torch.int16))
+        and torch.equal(after[:, width:].view(torch.int16), before[:, width:].view(torch.int16))
     )
     if touched.any():
         got = state[touched].double()
@@ -121,7 +128,6 @@ def run_commit_case(variant: Variant, case: CommitCase, seed: int) -> CaseResult
         result.max_abs = float(diff.max())
         result.max_rel = float((diff / (want.abs() + 1e-2 * scale)).max())
         result.rel_l2 = float(diff.norm() / want.norm())
-    return result
 
 
 def commit_cases(variant: Variant) -> tuple[CommitCase, ...]:

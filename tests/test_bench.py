@@ -77,8 +77,11 @@ def test_floor_scales_like_the_anchors_in_every_table(heads: int, window: int) -
         for b, floor in ANCHOR_FLOORS[heads, window]
         if floor >= 5  # two printed decimals pin the bandwidth to 0.1 % from here up
     ]
-    assert implied, "each table has rows above 5 us"
-    assert max(implied) / min(implied) - 1 < 2e-3
+    if heads == 12 and window == 2:  # one row above 5 us: only the bandwidth below is checked
+        assert len(implied) == 1
+    else:
+        assert len(implied) >= 2, "each table has rows above 5 us"
+        assert max(implied) / min(implied) - 1 < 2e-3
     assert all(abs(bw / ANCHOR_BW - 1) < 0.02 for bw in implied)
 
 
@@ -498,20 +501,18 @@ def _runnable_verify() -> Variant:
 def test_tiny_verify_sweep_with_flashinfer() -> None:
     variant = _runnable_verify()
     load = peers.flashinfer_verify()
+    if load.fn is None:
+        skip_without_peer(load.note)  # fails instead under KDAGEN_REQUIRE_PEERS
     rows = kbench.bench_verify([variant], [1, 3], kbench.copy_bandwidth(), peers=True)
     assert [r.batch for r in rows] == [1, 3]
     for r in rows:
         assert 0 < r.p10_us <= r.median_us <= r.p90_us and r.sets >= 1
         assert r.floor_us > 0 and r.pct_of_floor > 0
-        if load.fn is None:
-            assert r.flashinfer_us is None
-        else:
-            assert r.flashinfer_us is not None and r.flashinfer_us > 0
-            assert r.flashinfer_rel_l2 is not None and r.flashinfer_rel_l2 < 1e-2, load.note
-            assert (
-                r.flashinfer_corr_rel_l2 is not None
-                and r.flashinfer_corr_rel_l2 <= r.flashinfer_rel_l2
-            )
+        assert r.flashinfer_us is not None and r.flashinfer_us > 0
+        assert r.flashinfer_rel_l2 is not None and r.flashinfer_rel_l2 < 1e-2, load.note
+        assert (
+            r.flashinfer_corr_rel_l2 is not None and r.flashinfer_corr_rel_l2 <= r.flashinfer_rel_l2
+        )
 
 
 @pytest.mark.gpu

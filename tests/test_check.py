@@ -6,16 +6,23 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from kdagen import reference
+from kdagen.cases import CHECK_CASES, make_commit_inputs, pool_of
 from kdagen.check import (
     CaseResult,
     check_cost,
     check_verdicts,
+    compare_commit,
     result_records,
     shard_by_contract,
+    touched_mask,
 )
+from kdagen.check_verify import VerifyCaseResult, _compare, _snapshot, expected_outputs
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
+from kdagen.testing import make_verify_inputs, verify_write_masks
 
 
 @pytest.mark.parametrize("count", [1, 4, 14])
@@ -68,3 +75,66 @@ def test_a_resumed_check_skips_what_passed_at_the_same_render_only(tmp_path: Pat
     legacy = tmp_path / "legacy.json"
     legacy.write_text(json.dumps([{**_case(good, 0.0).__dict__}]))
     assert check_verdicts([legacy]) == {}
+
+
+def _as_reference(inputs: dict, ref: dict) -> dict:
+    """``inputs`` after a kernel that writes exactly the reference's elements, as it stores
+    them: a copy, so each test below can spoil one output."""
+    done = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    for name, mask in verify_write_masks(ref).items():
+        done[name][mask] = ref[name][mask].to(done[name].dtype)
+    return done
+
+
+def _spoil_verify(name: str, done: dict, ref: dict) -> None:
+    mask = verify_write_masks(ref)[name] if name != "untouched" else None
+    if name == "out":  # 1 % off: rel-L2 past 3e-3
+        done["out"][mask] = (done["out"][mask].float() * 1.01).to(done["out"].dtype)
+    elif name == "corr":  # 3e-4 off: past 1e-4
+        done["corr"][mask] *= 1 + 3e-4
+    elif name == "kg":  # one bit of one element
+        flat = done["kg"][mask]
+        flat[0] = (flat[0].view(torch.int16) ^ 1).view(torch.bfloat16)
+        done["kg"][mask] = flat
+    elif name == "conv_state":
+        done["conv_state"].view(-1)[0] += 1
+    else:  # a row the contract does not let verify write (past a short window)
+        keep = ~verify_write_masks(ref)["corr"]
+        assert keep.any()
+        done["corr"][keep] = 0.5
+
+
+@pytest.mark.parametrize("spoiled", ["out", "corr", "kg", "conv_state", "untouched"])
+def test_the_verify_verdict_fails_each_kind_of_error(spoiled: str) -> None:
+    """The figures behind ``kdagen check``'s verdict on the CPU: the reference's own values
+    pass; each kind of error the contract bounds fails them."""
+    inputs = make_verify_inputs(5, 2, 4, conv=True, seed=9)
+    start, ref = _snapshot(inputs), expected_outputs(inputs)
+    good = VerifyCaseResult("v", "c")
+    _compare(good, _as_reference(inputs, ref), ref, start)
+    assert good.passed, good.summary()
+    done = _as_reference(inputs, ref)
+    _spoil_verify(spoiled, done, ref)
+    bad = VerifyCaseResult("v", "c")
+    _compare(bad, done, ref, start)
+    assert not bad.passed, (spoiled, bad.summary())
+
+
+@pytest.mark.parametrize("spoiled", [None, "state", "untouched", "padding"])
+def test_the_commit_verdict_fails_each_kind_of_error(spoiled: str | None) -> None:
+    args = make_commit_inputs(CHECK_CASES[2], 2, 4, device="cpu")  # nulls and zero counts
+    before = pool_of(args.state).clone()
+    expected = args.state.double()
+    reference.commit(args.with_(state=expected), compute_dtype=torch.float64)
+    touched = touched_mask(args)
+    assert touched.any() and not touched.all()
+    args.state[touched] = expected[touched].to(args.state.dtype)  # the kernel, as it stores
+    if spoiled == "state":  # 2 % off
+        args.state[touched] = (expected[touched] * 1.02).to(args.state.dtype)
+    elif spoiled == "untouched":
+        args.state[~touched] += 1
+    elif spoiled == "padding":
+        pool_of(args.state)[:, -1] += 1
+    result = CaseResult("c", "edges", 0.0, 0.0, 0.0, True, True)
+    compare_commit(result, args.state, expected, before, touched)
+    assert result.passed == (spoiled is None), (spoiled, result.summary())

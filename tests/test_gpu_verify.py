@@ -186,8 +186,10 @@ def _step_inputs(base: dict, step: dict) -> dict:
     return dict(step) | {k: base[k] for k in SHARED}
 
 
-@pytest.mark.xfail(
-    not render.VERIFY_STATE_AFTER_WAIT, strict=False,
+# Skipped, not xfail: the race is intermittent (B = 64 passed by chance), so a non-strict
+# xfail could not fail and a strict one would flake; it runs, unmarked, once the fix is on.
+@pytest.mark.skipif(
+    not render.VERIFY_STATE_AFTER_WAIT,
     reason="switched off (render.VERIFY_STATE_AFTER_WAIT): an early verify CTA copies its first "
     "state before griddepcontrol.wait (failed at B = 1 and 4 on the H200); README: no commit "
     "right before verify",

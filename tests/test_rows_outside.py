@@ -55,7 +55,12 @@ def test_the_cut_windows_compute_what_the_kept_requests_compute_in_the_contract(
     inputs = _inputs(tree=True)
     bad = with_rows_outside(inputs)
     ref = expected_outputs(bad)
-    plain = clone_inputs(in_contract(bad))
+    # The contract's values written out here, not by in_contract (what expected_outputs uses).
+    rows = int(inputs["query_start"][B - 2])
+    plain = clone_inputs(bad)
+    plain["query_start"] = torch.tensor([*inputs["query_start"][: B - 1].tolist(), rows, rows],
+                                        dtype=bad["query_start"].dtype)  # fmt: skip
+    plain["accepted"][:4] = torch.tensor([1, Q, Q, 1], dtype=plain["accepted"].dtype)
     for name in ("out", "corr"):
         plain[name] = torch.zeros(plain[name].shape, dtype=torch.float64)
     reference.verify(verify_args(plain), compute_dtype=torch.float64)

@@ -4,6 +4,9 @@ anything launches; with them off (the default) nothing is read back."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +102,21 @@ def test_bad_parents_are_named(checking: None, row: int, parent: int, expected: 
 def test_values_are_not_read_unless_asked() -> None:
     values.check_values(False)
     _validate(_inputs(), query_start=_int32(-7, 4, 8, 12, 16, 20, 99))
+
+
+@pytest.mark.parametrize(("env", "on"), [(None, False), ("0", False), ("1", True), ("yes", True)])
+def test_the_value_checks_start_off_unless_the_environment_asks(env: str | None, on: bool) -> None:
+    """The default a fresh process starts with (a serving process must not synchronise)."""
+    environ = {k: v for k, v in os.environ.items() if k != "KDAGEN_CHECK_VALUES"}
+    if env is not None:
+        environ["KDAGEN_CHECK_VALUES"] = env
+    script = (
+        "import torch; from kdagen.serve import values; print(values.wanted(torch.device('cpu')))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=environ)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(on)
 
 
 def _model() -> ModelCommit:

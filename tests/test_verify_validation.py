@@ -213,6 +213,17 @@ def test_vllm_entry_on_cpu_passes_valid_arguments(vllm_on_cpu: list) -> None:
     assert out.shape == (1, vllm_on_cpu[0].args.q.shape[0], H, 128)
 
 
+def test_vllm_entry_refuses_more_tokens_than_the_windows_hold(vllm_on_cpu: list) -> None:
+    args = _vllm_verify_args()
+    two = {
+        "state_indices": args["state_indices"][:2],
+        "query_start_loc": args["query_start_loc"][:3],
+    }
+    with pytest.raises(KdaInputError, match=r"`q` has 12 tokens, more than the 2 requests x "
+                                            r"`spec_query_len` \(4\) hold"):  # fmt: skip
+        kda_recoverssm_verify(**(args | two))
+
+
 def test_vllm_entry_takes_the_gate_parameters_in_the_layers_shapes(vllm_on_cpu: list) -> None:
     """vLLM's layers hold dt_bias as [H*128] or [H, 128] and A_log as [H] or [1, 1, H, 1]:
     any contiguous shape with the right count reaches the kernel as its 1-D view."""

@@ -188,6 +188,15 @@ def verify_records(
     flat = {name: _tokens_view(name, t) for name, t in (("q", q), ("k", k), ("v", v),
                                                         ("raw_g", raw_g))}  # fmt: skip
     flat_beta = _tokens_view("raw_beta", raw_beta, None)
+    tokens = flat["q"].shape[0]
+    if (
+        isinstance(state_indices, torch.Tensor)
+        and state_indices.dim() == 1
+        and (tokens > state_indices.shape[0] * spec_query_len)
+    ):
+        raise KdaInputError(f"{OP}: `q` has {tokens} tokens, more than the "
+                            f"{state_indices.shape[0]} requests x `spec_query_len` "
+                            f"({spec_query_len}) hold (vLLM refuses it too)")  # fmt: skip
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if (

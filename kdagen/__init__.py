@@ -1,7 +1,8 @@
 """kdagen: autotuning and code generation for KDA speculative verify/commit kernels.
 
 The serving API (``kdagen.serve``: ``verify``, ``commit``, ``ModelCommit``,
-``KdaInputError``, ``check_values``, ``kda_recoverssm_verify``, ``KDARecoverSSMCommitContext``,
+``KdaInputError``, ``check_values``, ``kda_recoverssm_verify_records`` (vLLM 0.33's verify),
+``kda_recoverssm_verify`` (FlashInfer 0.7.2's), ``KDARecoverSSMCommitContext``,
 ``ops``) is
 reachable here too, with kernels compiled on first use (``kdagen.first_use``), and imported
 on first access so that the command line need not load torch.

@@ -298,7 +298,8 @@ kdagen::commit and kdagen::commit_layers):
     verify(qkv, raw_g, raw_beta, a_log, dt_bias, state, query_start, slots, out, corr, kg, ...)
     commit(state, corr, kg, a_log, dt_bias, slots, accepted, ...)
     ModelCommit(states, corrs, kgs, a_logs, dt_biases, ...).commit(slots, accepted, ...)
-    kda_recoverssm_verify(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, ...)
+    kda_recoverssm_verify_records(q, ..., checkpoint_state, records, ...)  # vLLM 0.33's
+    kda_recoverssm_verify(q, ..., checkpoint_state, correction_cache, kg_cache, ...)  # FlashInfer's
     KDARecoverSSMCommitContext.create(layers, spec_query_len=, max_num_reqs=).commit(...)
 
 Arguments and layouts as in kdagen's README; bad input raises KdaInputError, and so does a

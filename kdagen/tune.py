@@ -683,7 +683,7 @@ def _carried_studies(
     loaded = load_table(folder)
     carries = {k: record for k, record in loaded.carried.items() if staleness(loaded, k) is None}
     attrs = stored_attrs(storage, list(stale))
-    kept = [n for n in stale if n in planned and planned[n].kernel in carries
+    kept = [n for n in stale if planned[n].kernel in carries
             and render_changed_only(attrs[n], planned[n].space_hash, stamp)]  # fmt: skip
     return kept, {k: carries[k] for k in {planned[n].kernel for n in kept}}
 

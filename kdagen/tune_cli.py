@@ -159,6 +159,8 @@ def _run_tuner(command: str, fn: Any, simulate: bool, space: list[str] | None,
     """``fn(TuneOptions(**fields), echo)`` on the GPU (or the simulated one), its errors as one
     line and exit 2, an interrupt as exit 130."""
     if not simulate:
+        from kdagen.cli import _require_gpu  # loaded already: cli registers this command
+
         _require_gpu(command)
     from kdagen.space import DEFAULT_SPACES, SpaceError
     from kdagen.tune import TuneError, TuneOptions
@@ -225,11 +227,3 @@ def _restamp(folder: Path, jobs: int, spaces: list[str] | None) -> None:
         typer.echo(f"kdagen tune: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"{result.folder}: {'; '.join(result.notes)} (same machine code; nothing timed)")
-
-
-def _require_gpu(command: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        typer.echo(f"kdagen {command}: needs a CUDA GPU; none is visible", err=True)
-        raise typer.Exit(2)

@@ -363,9 +363,7 @@ class KDARecoverSSMCommitContext:
             num_accepted_tokens.dim() == 1 and num_accepted_tokens.shape[0] > batch
         ):
             num_accepted_tokens = num_accepted_tokens[:batch]  # vLLM reads rows 0..B-1
-        if mamba_block_size is not None and (block_table is None or num_computed_tokens is None):
-            raise KdaInputError(f"{op}: prefix caching needs `block_table`, "
-                                "`num_computed_tokens` and `mamba_block_size` together")  # fmt: skip
+        # 0 reaches the commit as "no prefix caching" (vLLM passes None): named here instead.
         if isinstance(mamba_block_size, int) and mamba_block_size < self.spec_query_len:
             raise KdaInputError(f"{op}: `mamba_block_size` must cover one window "
                                 f"(>= {self.spec_query_len}), got {mamba_block_size}")  # fmt: skip

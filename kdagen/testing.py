@@ -392,6 +392,13 @@ def verify_write_masks(inputs: dict[str, Any]) -> dict[str, Tensor]:
     return {k: m.to(inputs["out"].device) for k, m in masks.items()}
 
 
+def write_as_kernel(inputs: dict[str, Any], ref: dict[str, Any]) -> None:
+    """What a kernel that computes exactly the reference leaves in ``inputs``: every element
+    the contract lets verify write, the reference's value rounded to the buffer's dtype."""
+    for name, mask in verify_write_masks(ref).items():
+        inputs[name][mask] = ref[name][mask].to(inputs[name].dtype)
+
+
 def commit_write_mask(inputs: dict[str, Any], accepted: Tensor) -> Tensor:
     """Boolean mask over ``state_pool`` of the elements commit may write (live, a > 0)."""
     pool = inputs["state_pool"]

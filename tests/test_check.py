@@ -22,7 +22,7 @@ from kdagen.check import (
 from kdagen.check_verify import VerifyCaseResult, _compare, _snapshot, expected_outputs
 from kdagen.serve.variant import Variant
 from kdagen.space import Space
-from kdagen.testing import make_verify_inputs, verify_write_masks
+from kdagen.testing import make_verify_inputs, verify_write_masks, write_as_kernel
 
 
 @pytest.mark.parametrize("count", [1, 4, 14])
@@ -78,11 +78,10 @@ def test_a_resumed_check_skips_what_passed_at_the_same_render_only(tmp_path: Pat
 
 
 def _as_reference(inputs: dict, ref: dict) -> dict:
-    """``inputs`` after a kernel that writes exactly the reference's elements, as it stores
-    them: a copy, so each test below can spoil one output."""
+    """``inputs`` after a kernel that computes exactly the reference: a copy, so each test
+    below can spoil one output."""
     done = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    for name, mask in verify_write_masks(ref).items():
-        done[name][mask] = ref[name][mask].to(done[name].dtype)
+    write_as_kernel(done, ref)
     return done
 
 

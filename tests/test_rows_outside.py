@@ -15,8 +15,8 @@ from kdagen.testing import (
     in_contract,
     make_verify_inputs,
     verify_args,
-    verify_write_masks,
     with_rows_outside,
+    write_as_kernel,
 )
 
 B, H, Q = 8, 2, 4
@@ -69,17 +69,11 @@ def test_the_cut_windows_compute_what_the_kept_requests_compute_in_the_contract(
     assert ref["query_start"].tolist()[-3:] == [bad["raw_g"].shape[0]] * 3
 
 
-def _kernel_as_reference(bad: dict, ref: dict) -> None:
-    """A kernel that writes exactly the reference's elements, rounded as it stores them."""
-    for name, mask in verify_write_masks(ref).items():
-        bad[name][mask] = ref[name][mask].to(bad[name].dtype)
-
-
 def test_the_rows_outside_case_fails_a_write_past_out() -> None:
     bad = with_rows_outside(_inputs())
     start = _snapshot(bad)
     ref = expected_outputs(bad)
-    _kernel_as_reference(bad, ref)
+    write_as_kernel(bad, ref)  # a kernel that computes exactly the reference
     result = VerifyCaseResult("v", "rows-outside")
     _compare(result, bad, ref, start)
     assert result.untouched_ok and result.kg_exact and result.conv_exact, result.summary()
